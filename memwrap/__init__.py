@@ -1,0 +1,48 @@
+"""memwrap: train models that do not fit in GPU memory by adding two lines to an unchanged loop.
+
+Example:
+    >>> import memwrap
+    >>> model, optimizer = memwrap.wrap(model, optimizer, precision="bf16", accumulate=8)  # doctest: +SKIP
+
+Names are resolved lazily (PEP 562) so ``import memwrap`` stays cheap and never imports an
+optional dependency.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "wrap": "memwrap.wrap",
+    "unwrap": "memwrap.wrap",
+    "backward": "memwrap.wrap",
+    "options_from": "memwrap.config",
+    "Options": "memwrap.config",
+    "apply_checkpointing": "memwrap.checkpointing",
+    "remove_checkpointing": "memwrap.checkpointing",
+    "hookimpl": "memwrap.plugins",
+    "get_plugin_manager": "memwrap.plugins",
+    "create_optimizer": "memwrap.registry",
+    "optimizers": "memwrap.registry",
+    "OptimizerSpec": "memwrap.registry",
+    "estimate": "memwrap.memory",
+    "plan": "memwrap.memory",
+    "Estimate": "memwrap.memory",
+    "Plan": "memwrap.memory",
+    "MemoryMonitor": "memwrap.memory",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'memwrap' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -1,0 +1,157 @@
+"""The options of ``wrap()``: one frozen dataclass, Hugging Face aliases, validation.
+
+Every option has a neutral default, so ``wrap(model, optimizer)`` changes nothing about the
+training maths; each option turns on exactly one concern.
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+from memwrap.errors import closest_hint
+from memwrap.precision import PRECISIONS
+
+__all__ = ["Options", "parse_options", "options_from", "HF_ALIASES"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Validated options of :func:`memwrap.wrap`.
+
+    Example:
+        >>> parse_options(precision="bf16", gradient_accumulation_steps=4).accumulate
+        4
+    """
+
+    precision: str = "fp32"
+    accumulate: int = 1
+    max_grad_norm: float | None = None
+    count_items: Callable[[Any], int] | None = None
+    checkpoint: Any = None
+    optim: str | None = None
+    on_nonfinite: str = "skip"
+    monitor: int | None = None
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """The options that differ from the defaults, ready for ``wrap(**kwargs)``."""
+        default = Options()
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not getattr(default, f.name) and getattr(self, f.name) != getattr(default, f.name)
+        }
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))
+# The Hugging Face TrainingArguments names that users know from the seeds.
+HF_ALIASES = ("gradient_accumulation_steps", "fp16", "bf16", "tf32", "gradient_checkpointing", "optim", "max_grad_norm")
+ON_NONFINITE = ("skip", "raise")
+
+
+def parse_options(**raw: Any) -> Options:
+    """Validate keyword options (memwrap names or Hugging Face aliases) into :class:`Options`.
+
+    Raises ``TypeError`` for unknown names and ``ValueError`` for bad values; both messages name
+    the fix.
+
+    Example:
+        >>> parse_options(fp16=True, gradient_checkpointing=True).precision
+        'fp16'
+    """
+    unknown = [k for k in raw if k not in OPTION_NAMES and k not in HF_ALIASES]
+    if unknown:
+        name = unknown[0]
+        raise TypeError(
+            f"unknown option {name!r}; valid options: {', '.join(OPTION_NAMES)} "
+            f"(Hugging Face names accepted: {', '.join(HF_ALIASES)}).{closest_hint(name, OPTION_NAMES + HF_ALIASES)}"
+        )
+    values = _resolve_aliases(raw)
+    _validate(values)
+    return Options(**values)
+
+
+def _resolve_aliases(raw: dict[str, Any]) -> dict[str, Any]:
+    values = {k: v for k, v in raw.items() if k in OPTION_NAMES}
+
+    def take(alias: str, target: str, value: Any) -> None:
+        if target in values and values[target] != value:
+            raise ValueError(
+                f"{alias}={raw[alias]!r} conflicts with {target}={values[target]!r}; "
+                f"give the setting once (memwrap name or Hugging Face name, not both)."
+            )
+        values[target] = value
+
+    if "gradient_accumulation_steps" in raw:
+        take("gradient_accumulation_steps", "accumulate", raw["gradient_accumulation_steps"])
+    flags = [k for k in ("fp16", "bf16") if raw.get(k)]
+    if len(flags) > 1:
+        raise ValueError("fp16=True and bf16=True were both given; choose one mixed-precision mode.")
+    if flags:
+        take(flags[0], "precision", flags[0])
+    elif raw.get("tf32"):
+        take("tf32", "precision", "tf32")
+    if raw.get("gradient_checkpointing"):
+        take("gradient_checkpointing", "checkpoint", values.get("checkpoint") or "auto")
+    if raw.get("optim") is not None:
+        optim = raw["optim"]
+        take("optim", "optim", getattr(optim, "value", optim))  # HF's OptimizerNames is a str enum
+    if "max_grad_norm" in raw:
+        norm = raw["max_grad_norm"]
+        # HF uses 0 to mean "no clipping".
+        values["max_grad_norm"] = None if norm in (None, 0) else norm
+    return values
+
+
+def _validate(values: dict[str, Any]) -> None:
+    precision = values.get("precision", "fp32")
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}.{closest_hint(precision, PRECISIONS)}"
+        )
+    accumulate = values.get("accumulate", 1)
+    if isinstance(accumulate, bool) or not isinstance(accumulate, numbers.Integral) or accumulate < 1:
+        raise ValueError(
+            f"accumulate must be an int >= 1 (micro-batches per optimizer update), got {accumulate!r}. "
+            f"Fix: e.g. accumulate=8 for a global batch of 8 micro-batches; 1 disables accumulation."
+        )
+    values["accumulate"] = int(accumulate)
+    norm = values.get("max_grad_norm")
+    if norm is not None and (isinstance(norm, bool) or not isinstance(norm, numbers.Real) or not norm > 0):
+        raise ValueError(f"max_grad_norm must be a positive number or None (no clipping), got {norm!r}.")
+    count = values.get("count_items")
+    if count is not None and not callable(count):
+        raise ValueError(
+            f"count_items must be a callable(batch) -> int (e.g. lambda b: int((b['labels'] != -100).sum())), got {count!r}."
+        )
+    optim = values.get("optim")
+    if optim is not None and not isinstance(optim, str):
+        raise ValueError(f"optim must be an optimizer name such as 'adamw_8bit', got {optim!r}.")
+    mode = values.get("on_nonfinite", "skip")
+    if mode not in ON_NONFINITE:
+        raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {mode!r}.{closest_hint(mode, ON_NONFINITE)}")
+    monitor = values.get("monitor")
+    if monitor is not None and (isinstance(monitor, bool) or not isinstance(monitor, numbers.Integral) or monitor < 1):
+        raise ValueError(f"monitor must be None or an int >= 1 (log memory every k updates), got {monitor!r}.")
+
+
+def options_from(training_args: Any) -> dict[str, Any]:
+    """Read memwrap options from any object with Hugging Face ``TrainingArguments`` attributes.
+
+    Duck-typed, so transformers is never imported. Returns keyword arguments for ``wrap``.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> options_from(SimpleNamespace(gradient_accumulation_steps=8, bf16=True))
+        {'gradient_accumulation_steps': 8, 'bf16': True}
+    """
+    found = {name: getattr(training_args, name) for name in HF_ALIASES if hasattr(training_args, name)}
+    if not found:
+        raise TypeError(
+            f"{type(training_args).__name__} has none of the TrainingArguments attributes "
+            f"{', '.join(HF_ALIASES)}; pass a TrainingArguments-like object or memwrap options directly."
+        )
+    found = {k: v for k, v in found.items() if v is not None}
+    parse_options(**found)  # validate now, so a bad TrainingArguments fails here and not inside wrap()
+    return found

@@ -1,0 +1,1 @@
+"""Optional integrations; each is imported lazily by its user, never by `import memwrap`."""

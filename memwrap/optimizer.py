@@ -1,0 +1,238 @@
+"""WrappedOptimizer: a real ``torch.optim.Optimizer`` whose step is gated by the accumulation window.
+
+``step()`` on a micro-batch that does not close the window only counts it. At the window's end
+it unscales (fp16), clips, checks for non-finite gradients, then steps the inner optimizer or
+skips the update (counted, reported), and updates the GradScaler.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from memwrap.accumulation import AccumulationGate
+
+__all__ = ["WrappedOptimizer", "WrappedScheduler"]
+
+
+class WrappedOptimizer(torch.optim.Optimizer):
+    """Gate ``step()``/``zero_grad()`` of ``optimizer`` on the accumulation window.
+
+    Shares ``param_groups``, ``state`` and ``defaults`` with the inner optimizer, so LR
+    schedulers built on either object change the same learning rates.
+
+    Example:
+        >>> import memwrap, torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> model, opt = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2)
+        >>> model(torch.ones(1, 2)).sum().backward(); opt.step(); opt.did_update
+        False
+    """
+
+    # Not calling Optimizer.__init__ on purpose: it would rebuild param_groups instead of sharing them.
+    def __init__(self, optimizer: torch.optim.Optimizer, gate: AccumulationGate, scaler: torch.amp.GradScaler,
+                 max_grad_norm: float | None = None, on_nonfinite: str = "skip", monitor: Any = None):
+        self.optimizer = optimizer
+        self.gate = gate
+        self.scaler = scaler
+        self.max_grad_norm = max_grad_norm
+        self.on_nonfinite = on_nonfinite
+        self.monitor = monitor
+        self.did_update = False
+        self.step_was_skipped = False
+        self.updates = 0
+        self.skipped = 0
+        self.last_grad_norm: float | None = None
+        self._window_lrs: list[float] | None = None
+        self._lr_warned = False
+        # Hook dicts of the base class, so register_step_pre_hook & co. work on the wrapper too.
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+        self._optimizer_state_dict_pre_hooks = {}
+        self._optimizer_state_dict_post_hooks = {}
+        self._optimizer_load_state_dict_pre_hooks = {}
+        self._optimizer_load_state_dict_post_hooks = {}
+
+    # --- shared state -----------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return f"WrappedOptimizer(accumulate={self.gate.accumulate}, {self.optimizer!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    # --- the gated step ---------------------------------------------------------------
+    def step(self, closure: Any = None) -> Any:
+        """Count a micro-batch; at the window's end, update the parameters (or skip a non-finite update)."""
+        if closure is not None:
+            raise ValueError(
+                "memwrap's wrapped optimizer does not take a closure: with accumulation, the forward "
+                "and backward passes belong to your loop. Call optimizer.step() without arguments."
+            )
+        self.did_update = False
+        closes = self.gate.tick()
+        self._check_lr_unchanged(first_in_window=self.gate.micro_step == 1)
+        if not closes:
+            return None
+        self.step_was_skipped = not self._update()
+        self.did_update = not self.step_was_skipped
+        if self.did_update:
+            self.updates += 1
+            if self.monitor is not None:
+                self.monitor.on_update(self.updates)
+        else:
+            self.skipped += 1
+        return None
+
+    def _update(self) -> bool:
+        scaler = self.scaler
+        if scaler.is_enabled():
+            scaler.unscale_(self.optimizer)
+        finite = self._clip_and_check([p for g in self.param_groups for p in g["params"] if p.grad is not None])
+        if not finite and self.on_nonfinite == "raise":
+            if scaler.is_enabled():
+                scaler.update()
+            raise FloatingPointError(
+                f"non-finite gradient at update {self.updates + self.skipped + 1} (grad norm {self.last_grad_norm}); "
+                "the update was not applied. Fix: lower the learning rate, use precision='bf16' or 'fp32', or pass "
+                "on_nonfinite='skip' to skip such updates."
+            )
+        if scaler.is_enabled():
+            # scaler.step skips the inner step itself when unscale_ found inf/nan.
+            scaler.step(self.optimizer)
+            scaler.update()
+            return finite
+        if finite:
+            self.optimizer.step()
+        return finite
+
+    def _clip_and_check(self, params: list[torch.Tensor]) -> bool:
+        # One norm over the (unscaled) gradients serves both clipping and the non-finite check.
+        if not params:
+            self.last_grad_norm = 0.0
+            return True
+        if self.max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm, foreach=True)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        self.last_grad_norm = float(norm)
+        return bool(torch.isfinite(norm))
+
+    def _check_lr_unchanged(self, first_in_window: bool) -> None:
+        # LRs are recorded after the window's first micro-batch (a wrapped scheduler has stepped by
+        # then) and compared at every later step() of the window, the closing one included.
+        if self._lr_warned or self.gate.accumulate == 1:
+            return
+        lrs = [group["lr"] for group in self.param_groups]
+        if first_in_window or self._window_lrs is None:
+            self._window_lrs = lrs
+            return
+        if lrs != self._window_lrs:
+            self._lr_warned = True
+            warnings.warn(
+                "the learning rate changed inside an accumulation window: an LR scheduler is stepping every "
+                "micro-batch instead of every update. Fix: pass it to memwrap.wrap(model, optimizer, scheduler, ...) "
+                "(or wrap it: scheduler = memwrap.wrap(scheduler)) so it steps once per real update.",
+                stacklevel=3,
+            )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients only at a window boundary; inside a window they are still accumulating."""
+        if self.gate.micro_step == 0:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    # --- resume -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Inner optimizer, GradScaler, accumulation position, counters and, mid-window, the partial gradients."""
+        grads = None
+        if self.gate.micro_step:
+            grads = [p.grad.detach().clone() if p.grad is not None else None
+                     for g in self.param_groups for p in g["params"]]
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "gate": self.gate.state_dict(),
+            "counters": {"updates": self.updates, "skipped": self.skipped},
+            "accumulated_grads": grads,
+            "monitor": self.monitor.state_dict() if self.monitor is not None and hasattr(self.monitor, "state_dict") else None,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "gate" not in state_dict:
+            raise ValueError(
+                "this is not a memwrap optimizer checkpoint (no 'gate' entry). To load a plain optimizer "
+                "state_dict, call memwrap.unwrap(optimizer).load_state_dict(...)."
+            )
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if state_dict["scaler"]:
+            self.scaler.load_state_dict(state_dict["scaler"])
+        self.gate.load_state_dict(state_dict["gate"])
+        self.updates = state_dict["counters"]["updates"]
+        self.skipped = state_dict["counters"]["skipped"]
+        if state_dict.get("monitor") is not None and self.monitor is not None:
+            self.monitor.load_state_dict(state_dict["monitor"])
+        grads = state_dict.get("accumulated_grads")
+        if grads is not None:
+            params = [p for g in self.param_groups for p in g["params"]]
+            for p, grad in zip(params, grads, strict=True):
+                p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype).clone()
+
+
+class WrappedScheduler:
+    """Steps the inner LR scheduler only after a real, non-skipped update of its optimizer.
+
+    Example:
+        >>> import memwrap, torch
+        >>> model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+        >>> model, opt, sched = memwrap.wrap(model, opt, sched, accumulate=4)
+    """
+
+    def __init__(self, scheduler: Any, optimizer: WrappedOptimizer):
+        self.scheduler = scheduler
+        self.optimizer = optimizer
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if self.optimizer.did_update:
+            self.scheduler.step(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)

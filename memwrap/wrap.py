@@ -1,0 +1,243 @@
+"""``wrap()``: compose the gate, precision, checkpointing, optimizer plugin and wrappers.
+
+Each concern lives in its own module; this one only decides which pieces a call needs and
+hands them the one shared :class:`~memwrap.accumulation.AccumulationGate`.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from memwrap.accumulation import AccumulationGate, WrappedLoader
+from memwrap.config import Options, parse_options
+from memwrap.distributed import item_reducer, sync_control
+from memwrap.module import WrappedModule
+from memwrap.optimizer import WrappedOptimizer, WrappedScheduler
+from memwrap.precision import TF32, get_precision
+
+__all__ = ["wrap", "unwrap", "backward"]
+
+_WRAPPERS = (WrappedModule, WrappedOptimizer, WrappedScheduler, WrappedLoader)
+
+
+def wrap(*objects: Any, **options: Any) -> Any:
+    """Wrap a model, optimizer, LR scheduler and data loader (any subset, any order).
+
+    Returns the wrapped objects in the order given (the object itself if only one was given).
+    The training loop stays as it was.
+
+    Options (keyword-only): ``precision`` ("fp32", "tf32", "bf16", "fp16"), ``accumulate``,
+    ``max_grad_norm``, ``count_items``, ``checkpoint``, ``optim``, ``on_nonfinite`` ("skip" or
+    "raise"), ``monitor``; Hugging Face ``TrainingArguments`` names are accepted as aliases.
+
+    Example:
+        >>> import memwrap, torch
+        >>> model = torch.nn.Linear(4, 1)
+        >>> optimizer = torch.optim.AdamW(model.parameters())
+        >>> model, optimizer = memwrap.wrap(model, optimizer, precision="bf16", accumulate=4)
+        >>> for x in torch.randn(8, 2, 4):
+        ...     loss = model(x).pow(2).mean()
+        ...     loss.backward(); optimizer.step(); optimizer.zero_grad()
+        >>> optimizer.updates
+        2
+    """
+    opts = parse_options(**options)
+    kinds = _classify(objects)
+    models, optimizers = kinds["model"], kinds["optimizer"]
+    if len(models) > 1 or len(optimizers) > 1:
+        raise TypeError("wrap() takes at most one model and one optimizer per call; wrap each training setup separately.")
+    model = models[0] if models else None
+    optimizer = optimizers[0] if optimizers else None
+    _check_pairing(opts, model, optimizer, kinds)
+
+    gate = AccumulationGate(opts.accumulate)
+    precision = get_precision(opts.precision)
+    device_type = _device_type(model, optimizer)
+    precision.check(device_type)
+    scaler = precision.make_scaler(device_type)
+    if isinstance(precision, TF32):
+        precision.enable()
+
+    results: dict[int, Any] = {}
+    wrapped_model = wrapped_opt = None
+    if model is not None:
+        wrapped_model = _wrap_model(model, opts, gate, precision, scaler, device_type)
+        results[id(model)] = wrapped_model
+    if optimizer is not None:
+        wrapped_opt = _wrap_optimizer(optimizer, model, opts, gate, scaler, kinds["scheduler"])
+        results[id(optimizer)] = wrapped_opt
+    for scheduler in kinds["scheduler"]:
+        results[id(scheduler)] = _wrap_scheduler(scheduler, wrapped_opt)
+    for loader in kinds["loader"]:
+        if wrapped_opt is None:
+            raise TypeError(
+                "a data loader needs the optimizer in the same wrap() call: both share the accumulation window. "
+                "Fix: memwrap.wrap(model, optimizer, loader, ...)."
+            )
+        # Under DDP/FSDP2 the window's item total is summed over the data-parallel ranks (memwrap.distributed).
+        reduce_items = item_reducer(model) if model is not None and opts.count_items is not None else None
+        results[id(loader)] = WrappedLoader(loader, gate, opts.count_items, reduce_items)
+    ordered = tuple(results[id(obj)] for obj in objects)
+    return ordered[0] if len(ordered) == 1 else ordered
+
+
+def unwrap(obj: Any) -> Any:
+    """Return the original object behind a memwrap wrapper (and undo checkpointing and TF32 on a model).
+
+    Example:
+        >>> import memwrap, torch
+        >>> net = torch.nn.Linear(2, 2)
+        >>> memwrap.unwrap(memwrap.wrap(net)) is net
+        True
+    """
+    if isinstance(obj, WrappedModule):
+        if obj.checkpoint_report is not None:
+            from memwrap.checkpointing import remove_checkpointing
+
+            remove_checkpointing(_checkpoint_target(obj.module))
+        if isinstance(obj._precision, TF32):
+            obj._precision.restore()
+        return obj.module
+    if isinstance(obj, WrappedOptimizer):
+        return obj.optimizer
+    if isinstance(obj, WrappedScheduler):
+        return obj.scheduler
+    if isinstance(obj, WrappedLoader):
+        return obj.loader
+    return obj
+
+
+def backward(loss: torch.Tensor, model: WrappedModule, **kwargs: Any) -> None:
+    """Backward for a loss with terms that do not flow through the wrapped model's outputs.
+
+    Use it instead of ``loss.backward()`` when the loss adds something computed directly from
+    parameters (e.g. an L2 penalty over ``model.parameters()``): those terms bypass the output
+    hooks that apply the micro-batch weight and the fp16 loss scale. Here the whole loss is
+    weighted and scaled once, and the output hooks stand aside.
+
+    Example:
+        >>> loss = loss_fn(model(x), y) + 1e-4 * sum(p.square().sum() for p in model.parameters())  # doctest: +SKIP
+        >>> memwrap.backward(loss, model)  # doctest: +SKIP
+    """
+    if not isinstance(model, WrappedModule):
+        raise TypeError(f"memwrap.backward needs the model returned by memwrap.wrap, got {type(model).__name__}.")
+    model.backward(loss, **kwargs)
+
+
+# --- pieces ---------------------------------------------------------------------------
+
+def _classify(objects: Iterable[Any]) -> dict[str, list[Any]]:
+    kinds: dict[str, list[Any]] = {"model": [], "optimizer": [], "scheduler": [], "loader": []}
+    for obj in objects:
+        if isinstance(obj, _WRAPPERS):
+            raise ValueError(
+                f"{type(obj).__name__} is already wrapped by memwrap. Wrapping twice would weight gradients twice. "
+                "Fix: wrap the original object once with all options (memwrap.unwrap(obj) returns it)."
+            )
+        if isinstance(obj, nn.Module):
+            kinds["model"].append(obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            kinds["optimizer"].append(obj)
+        elif isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+            kinds["scheduler"].append(obj)
+        elif isinstance(obj, Iterable) and not isinstance(obj, (torch.Tensor, str, bytes, dict)):
+            kinds["loader"].append(obj)
+        else:
+            raise TypeError(
+                f"wrap() does not know what to do with a {type(obj).__name__}; it takes an nn.Module, a "
+                "torch.optim.Optimizer, an LR scheduler and a data loader (any re-iterable). Options are keyword-only."
+            )
+    return kinds
+
+
+def _check_pairing(opts: Options, model: Any, optimizer: Any, kinds: dict[str, list[Any]]) -> None:
+    if optimizer is None and model is not None and (opts.accumulate > 1 or opts.precision == "fp16"):
+        raise TypeError(
+            f"accumulate={opts.accumulate} / precision={opts.precision!r} needs the optimizer in the same wrap() "
+            "call as the model: the model weights gradients and the optimizer steps once per window. "
+            "Fix: model, optimizer = memwrap.wrap(model, optimizer, ...)."
+        )
+    if opts.optim is not None and optimizer is None:
+        raise TypeError(
+            f"optim={opts.optim!r} converts the optimizer you pass to wrap(); none was given. Fix: pass your "
+            f"optimizer, or build one with memwrap.create_optimizer({opts.optim!r}, model.parameters())."
+        )
+    if model is not None and optimizer is not None:
+        in_model = {id(p) for p in model.parameters()}
+        stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in in_model]
+        if stray:
+            raise ValueError(
+                f"the optimizer holds {len(stray)} parameter(s) (e.g. shape {tuple(stray[0].shape)}) that are not in "
+                "the model passed to wrap(). Fix: build the optimizer from this model's parameters."
+            )
+    if model is not None and opts.accumulate > 1 and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        warnings.warn(
+            f"the model has BatchNorm layers and accumulate={opts.accumulate}: their statistics are computed per "
+            "micro-batch, not over the whole window, so training differs from one big batch. Fix: use GroupNorm or "
+            "LayerNorm, SyncBatchNorm under DDP, or freeze BatchNorm statistics (module.eval()).",
+            stacklevel=3,
+        )
+
+
+def _device_type(model: Any, optimizer: Any) -> str:
+    params = model.parameters() if model is not None else (p for g in optimizer.param_groups for p in g["params"]) if optimizer is not None else iter(())
+    param = next(iter(params), None)
+    return param.device.type if param is not None else "cpu"
+
+
+def _checkpoint_target(model: nn.Module) -> nn.Module:
+    # Under DDP the blocks live in .module; FSDP2 shards in place, so the model itself is the target.
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def _wrap_model(model: nn.Module, opts: Options, gate: AccumulationGate, precision: Any, scaler: Any, device_type: str) -> WrappedModule:
+    report = None
+    if opts.checkpoint is not None and opts.checkpoint is not False:
+        from memwrap.checkpointing import apply_checkpointing, parse_checkpoint_option
+
+        how = parse_checkpoint_option(opts.checkpoint)
+        if how is not None:
+            report = apply_checkpointing(_checkpoint_target(model), **how)
+    wrapped = WrappedModule(model, gate, precision, scaler, device_type, sync_control(model))
+    object.__setattr__(wrapped, "checkpoint_report", report)  # plain attribute: not part of state_dict
+    return wrapped
+
+
+def _wrap_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module | None, opts: Options, gate: AccumulationGate,
+                    scaler: Any, schedulers: list[Any]) -> WrappedOptimizer:
+    inner = optimizer
+    if opts.optim is not None:
+        from memwrap.registry import convert_optimizer
+
+        for scheduler in schedulers:
+            if getattr(scheduler, "optimizer", None) is optimizer:
+                raise ValueError(
+                    f"optim={opts.optim!r} replaces the optimizer, but the scheduler passed along still drives the old "
+                    "one. Fix: wrap the model and optimizer first, then build the scheduler on the returned optimizer "
+                    "and wrap it: scheduler = memwrap.wrap(LambdaLR(optimizer, ...))."
+                )
+        inner = convert_optimizer(optimizer, opts.optim, model=model)
+    monitor = None
+    if opts.monitor is not None:
+        from memwrap.memory import MemoryMonitor
+
+        monitor = MemoryMonitor(every=opts.monitor)
+    return WrappedOptimizer(inner, gate, scaler, opts.max_grad_norm, opts.on_nonfinite, monitor)
+
+
+def _wrap_scheduler(scheduler: Any, wrapped_opt: WrappedOptimizer | None) -> WrappedScheduler:
+    target = getattr(scheduler, "optimizer", None)
+    if wrapped_opt is None and isinstance(target, WrappedOptimizer):
+        wrapped_opt = target
+    if wrapped_opt is None:
+        raise TypeError(
+            "an LR scheduler needs its optimizer in the same wrap() call (or must be built on a wrapped optimizer), "
+            "so it can step once per real update. Fix: memwrap.wrap(model, optimizer, scheduler, ...)."
+        )
+    if target is not wrapped_opt and target is not wrapped_opt.optimizer:
+        raise ValueError("the scheduler drives a different optimizer than the one wrapped with it; pass the matching pair.")
+    return WrappedScheduler(scheduler, wrapped_opt)

@@ -1,0 +1,23 @@
+import os
+
+import pytest
+import torch
+
+# Two cores are shared by everything on CI machines; oversubscription only slows tests down.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Norm-wise relative error, robust to elements that are ~0 in both."""
+    denom = b.detach().double().norm().clamp_min(1e-30)
+    return float((a.detach().double() - b.detach().double()).norm() / denom)
+
+
+def max_rel_err(params_a, params_b) -> float:
+    return max(rel_err(a, b) for a, b in zip(list(params_a), list(params_b), strict=True))
+
+
+@pytest.fixture
+def seeded():
+    torch.manual_seed(0)
+    yield

@@ -1,0 +1,256 @@
+"""wrap(): ordering, transparency, schedulers, explicit backward and one test per error message."""
+import collections
+import copy
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import memwrap
+from memwrap.optimizer import WrappedOptimizer
+from tests.conftest import max_rel_err
+
+
+def net(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def test_returns_objects_in_the_order_given():
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    loader = [torch.randn(2, 4)]
+    out = memwrap.wrap(loader, sched, opt, model, accumulate=2)
+    assert [type(o).__name__ for o in out] == ["WrappedLoader", "WrappedScheduler", "WrappedOptimizer", "WrappedModule"]
+    assert memwrap.unwrap(out[0]) is loader and memwrap.unwrap(out[1]) is sched
+    assert memwrap.unwrap(out[2]) is opt and memwrap.unwrap(out[3]) is model
+
+
+def test_single_object_is_returned_alone():
+    model = net()
+    wrapped = memwrap.wrap(model)
+    assert isinstance(wrapped, torch.nn.Module) and memwrap.unwrap(wrapped) is model
+
+
+def test_module_is_transparent():
+    model = net()
+    model.config = SimpleNamespace(hidden=8)
+    m = memwrap.wrap(model, precision="bf16")
+    assert list(m.state_dict()) == list(model.state_dict())
+    assert m.config.hidden == 8 and m[0] is model[0]
+    m.eval()
+    assert not model.training
+    m.train()
+    assert model.training
+    other = net(1)
+    m.load_state_dict(other.state_dict())
+    assert torch.equal(model[0].weight, other[0].weight)
+
+
+def test_optimizer_is_a_real_optimizer_sharing_state():
+    model = net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _, o = memwrap.wrap(model, opt)
+    assert isinstance(o, torch.optim.Optimizer)
+    assert o.param_groups is opt.param_groups and o.state is opt.state
+    sched = torch.optim.lr_scheduler.LambdaLR(o, lambda step: 0.5)  # schedulers accept it
+    assert opt.param_groups[0]["lr"] == pytest.approx(5e-4) and sched.get_last_lr() == [pytest.approx(5e-4)]
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    extra: tuple
+
+
+class ModelOutputLike(collections.OrderedDict):
+    pass
+
+
+def test_nested_outputs_are_cast_to_fp32():
+    class Multi(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            Pair = collections.namedtuple("Pair", "a b")
+            return {"out": Output(y, (y, [y, torch.ones(1, dtype=torch.long)])), "pair": Pair(y, y),
+                    "mo": ModelOutputLike(logits=y)}
+
+    model = Multi()
+    m, _ = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16", accumulate=2)
+    out = m(torch.randn(2, 4))
+    assert out["out"].logits.dtype == torch.float32
+    assert out["out"].extra[0].dtype == torch.float32 and out["out"].extra[1][0].dtype == torch.float32
+    assert out["out"].extra[1][1].dtype == torch.long
+    assert out["pair"].a.dtype == torch.float32 and type(out["pair"]).__name__ == "Pair"
+    assert isinstance(out["mo"], ModelOutputLike) and out["mo"]["logits"].dtype == torch.float32
+
+
+def test_wrapped_scheduler_steps_once_per_update():
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    m, o, s = memwrap.wrap(model, opt, sched, accumulate=4)
+    for _ in range(8):
+        m(torch.randn(2, 4)).sum().backward()
+        o.step()
+        s.step()
+        o.zero_grad()
+    assert o.updates == 2 and opt.param_groups[0]["lr"] == 0.25
+
+
+def test_scheduler_built_on_wrapped_optimizer_can_be_wrapped_alone():
+    model = net()
+    m, o = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=1.0), accumulate=2)
+    s = memwrap.wrap(torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
+    for _ in range(4):
+        m(torch.randn(2, 4)).sum().backward()
+        o.step()
+        s.step()
+        o.zero_grad()
+    assert o.param_groups[0]["lr"] == 0.25
+
+
+def test_unwrapped_scheduler_changing_lr_inside_window_warns_once():
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    m, o = memwrap.wrap(model, opt, accumulate=4)
+    with pytest.warns(UserWarning, match="learning rate changed inside an accumulation window") as record:
+        for _ in range(12):
+            m(torch.randn(2, 4)).sum().backward()
+            o.step()
+            sched.step()
+            o.zero_grad()
+    assert len([w for w in record if "inside an accumulation window" in str(w.message)]) == 1
+
+
+def test_explicit_backward_weights_penalty_terms():
+    """A penalty on parameters bypasses the output hooks; memwrap.backward weights the whole loss once."""
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    model = net()
+    ref = copy.deepcopy(model)
+
+    def penalty(mod):
+        return 1e-2 * sum(p.square().sum() for p in mod.parameters())
+
+    (ref(x).square().mean() + penalty(ref)).backward()
+    m, o = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.0), accumulate=2)
+    for xb in x.split(4):
+        memwrap.backward(m(xb).square().mean() + penalty(model), m)
+        o.step()
+    assert max_rel_err([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()]) < 1e-6
+
+
+def test_plain_backward_with_penalty_is_what_the_docs_warn_about():
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    model = net()
+    ref = copy.deepcopy(model)
+    (ref(x).square().mean() + 1e-2 * sum(p.square().sum() for p in ref.parameters())).backward()
+    m, o = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.0), accumulate=2)
+    for xb in x.split(4):
+        (m(xb).square().mean() + 1e-2 * sum(p.square().sum() for p in model.parameters())).backward()
+    assert max_rel_err([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()]) > 1e-3
+
+
+def test_options_from_training_arguments_like_object():
+    args = SimpleNamespace(gradient_accumulation_steps=8, fp16=False, bf16=True, tf32=None,
+                           gradient_checkpointing=False, optim="adamw_torch", max_grad_norm=1.0)
+    opts = memwrap.options_from(args)
+    model = net()
+    m, o = memwrap.wrap(model, torch.optim.AdamW(model.parameters()), **{k: v for k, v in opts.items() if k != "optim"})
+    assert o.gate.accumulate == 8 and m._precision.name == "bf16" and o.max_grad_norm == 1.0
+
+
+# --- one test per error message ---------------------------------------------------------
+
+def test_error_accumulate_not_positive_int():
+    with pytest.raises(ValueError, match="accumulate must be an int >= 1.*accumulate=8"):
+        memwrap.wrap(net(), accumulate=0)
+    with pytest.raises(ValueError, match="accumulate must be an int"):
+        memwrap.wrap(net(), accumulate=2.5)
+
+
+def test_error_unknown_precision_suggests_closest():
+    with pytest.raises(ValueError, match=r"unknown precision 'bf61'; valid: fp32, tf32, bf16, fp16\. Did you mean 'bf16'\?"):
+        memwrap.wrap(net(), precision="bf61")
+
+
+def test_error_unknown_option_suggests_closest():
+    with pytest.raises(TypeError, match=r"unknown option 'acumulate'.*Did you mean 'accumulate'\?"):
+        memwrap.wrap(net(), acumulate=4)
+
+
+def test_error_optimizer_params_not_in_model():
+    other = net(1)
+    with pytest.raises(ValueError, match="not in the model passed to wrap"):
+        memwrap.wrap(net(), torch.optim.SGD(other.parameters(), lr=0.1))
+
+
+def test_error_wrapping_twice():
+    m = memwrap.wrap(net())
+    with pytest.raises(ValueError, match="already wrapped by memwrap.*memwrap.unwrap"):
+        memwrap.wrap(m)
+
+
+def test_error_conflicting_hf_alias():
+    with pytest.raises(ValueError, match="conflicts with accumulate"):
+        memwrap.wrap(net(), accumulate=2, gradient_accumulation_steps=4)
+    with pytest.raises(ValueError, match="choose one mixed-precision mode"):
+        memwrap.wrap(net(), fp16=True, bf16=True)
+
+
+def test_error_accumulate_without_optimizer():
+    with pytest.raises(TypeError, match="needs the optimizer in the same wrap"):
+        memwrap.wrap(net(), accumulate=4)
+
+
+def test_error_loader_without_optimizer():
+    with pytest.raises(TypeError, match="data loader needs the optimizer"):
+        memwrap.wrap(net(), [1, 2])
+
+
+def test_error_closure_refused():
+    model = net()
+    _, o = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="does not take a closure"):
+        o.step(lambda: 0.0)
+
+
+def test_error_unknown_object():
+    with pytest.raises(TypeError, match="does not know what to do with a int"):
+        memwrap.wrap(net(), 3)
+
+
+def test_error_bad_max_grad_norm_and_on_nonfinite_and_count_items():
+    with pytest.raises(ValueError, match="max_grad_norm must be a positive number"):
+        memwrap.wrap(net(), max_grad_norm=-1)
+    with pytest.raises(ValueError, match="on_nonfinite must be one of"):
+        memwrap.wrap(net(), on_nonfinite="ignore")
+    with pytest.raises(ValueError, match="count_items must be a callable"):
+        memwrap.wrap(net(), count_items=3)
+
+
+def test_error_options_from_object_without_fields():
+    with pytest.raises(TypeError, match="none of the TrainingArguments attributes"):
+        memwrap.options_from(object())
+
+
+def test_warning_batchnorm_with_accumulation():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    with pytest.warns(UserWarning, match="BatchNorm.*GroupNorm"):
+        memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2)
+
+
+def test_error_loading_plain_optimizer_state_into_wrapper():
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _, o = memwrap.wrap(model, opt)
+    assert isinstance(o, WrappedOptimizer)
+    with pytest.raises(ValueError, match="not a memwrap optimizer checkpoint"):
+        o.load_state_dict(opt.state_dict())
