@@ -1,0 +1,57 @@
+"""Every memwrap hook, declared once. The docstring of each hook is its contract.
+
+A plugin is any module or object with functions decorated by :data:`memwrap.hookimpl` whose
+names match the hooks below. Plugins are found through the ``memwrap`` entry-point group
+(see ``docs/plugins.md``); built-in plugins use the same group.
+
+Example (a whole plugin module)::
+
+    import memwrap
+    from memwrap.registry import OptimizerSpec
+
+    @memwrap.hookimpl
+    def memwrap_optimizers():
+        return [OptimizerSpec(name="sgd", factory=torch.optim.SGD, ...)]
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from memwrap.registry import OptimizerSpec
+
+hookspec = pluggy.HookspecMarker("memwrap")
+
+
+@hookspec
+def memwrap_optimizers() -> list[OptimizerSpec]:
+    """Return the optimizers this plugin provides.
+
+    :return: a list (possibly empty) of :class:`memwrap.registry.OptimizerSpec`.
+
+    Called once per plugin when the optimizer registry is first used (and again whenever the set
+    of registered plugins has changed). All results are collected (not ``firstresult``); the
+    registry merges them. Every spec name and alias must be unique across all plugins: two
+    plugins claiming one name make lookups of that name raise an error naming both plugins.
+
+    The hook must be cheap and free of side effects: do not import heavy optional
+    dependencies here (e.g. ``bitsandbytes``); import them inside ``factory`` and report their
+    absence through ``available``. An exception raised here is reported as a warning naming
+    the plugin and its distribution; the other plugins' optimizers remain usable.
+    """
+
+
+@hookspec
+def memwrap_checkpoint_policies() -> dict[str, object]:
+    """Return named activation-checkpointing policies this plugin provides.
+
+    :return: a dict mapping a policy name to either a policy object that
+        :func:`memwrap.checkpointing.apply_checkpointing` accepts as ``policy``, or a dict of
+        keyword arguments for ``apply_checkpointing``.
+
+    Called when a checkpoint policy is looked up by name (e.g. ``wrap(checkpoint="name")``).
+    All results are collected (not ``firstresult``) and merged; a name defined by two plugins is
+    an error naming both. Like every memwrap hook it must not import heavy optional dependencies.
+    """

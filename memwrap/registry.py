@@ -1,0 +1,400 @@
+"""The optimizer registry: specs contributed by plugins, lookup by name or Hugging Face alias,
+creation, listing, and conversion of an optimizer the user already built.
+
+Example:
+    >>> import torch, memwrap
+    >>> model = torch.nn.Linear(4, 2)
+    >>> opt = memwrap.create_optimizer("adamw_torch", model.parameters(), lr=1e-3)
+    >>> type(opt).__name__
+    'AdamW'
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import threading
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memwrap.errors import closest_hint
+from memwrap.plugins import PluginLoadWarning, get_plugin_manager, plugin_origin
+
+__all__ = [
+    "OptimizerSpec", "OptimizerRow", "OptimizerUnavailableError", "OptimizerConflictError",
+    "UnknownOptimizerError", "ConversionWarning", "get_optimizer_spec", "create_optimizer",
+    "optimizers", "convert_optimizer", "predict_state_bytes", "measure_state_bytes",
+]
+
+# Group keys that choose a kernel, not the maths: dropped silently on conversion.
+_IMPLEMENTATION_FLAGS = frozenset({"foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay"})
+# Values at which a hyperparameter does nothing, so dropping it changes nothing worth a warning.
+_NEUTRAL = {"amsgrad": False, "maximize": False, "nesterov": False, "momentum": 0, "dampening": 0,
+            "centered": False, "weight_decay": 0, "lr_decay": 0, "initial_accumulator_value": 0}
+
+
+class OptimizerUnavailableError(ImportError):
+    """The optimizer's backend is missing; the message carries the install command."""
+
+
+class UnknownOptimizerError(ValueError):
+    """No plugin registers this optimizer name or alias."""
+
+
+class OptimizerConflictError(ValueError):
+    """Two plugins claim the same optimizer name or alias."""
+
+
+class ConversionWarning(UserWarning):
+    """Some hyperparameters of the user's optimizer could not be carried to the new one."""
+
+
+def _always_available() -> tuple[bool, str]:
+    return True, ""
+
+
+def _normalize(name: str) -> str:
+    return name.strip().lower().replace("-", "_")
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """One optimizer a plugin provides.
+
+    Attributes:
+        name: canonical name (lower case, ``_`` separated), e.g. ``"adamw_8bit"``.
+        factory: ``factory(params, **hyperparameters) -> torch.optim.Optimizer``; ``params`` may be
+            tensors or param-group dicts, like any torch optimizer.
+        state_bytes: ``state_bytes(param, module=None, **hyperparameters) -> int``: the exact bytes
+            of optimizer state this parameter will hold after the first step. ``module`` is the
+            module owning ``param`` (or None); must work on meta and fake tensors (the planner).
+        aliases: other accepted names, e.g. Hugging Face ``optim=`` strings.
+        available: ``() -> (ok, install_hint)``; must not import the backend when cheap to avoid.
+        defaults: hyperparameters passed to ``factory`` unless the caller overrides them.
+        carries: param-group keys that keep their meaning when converting from AdamW-style groups.
+        fused, paged: capability flags (a fused kernel where supported; paged state on CUDA).
+        scaler_ok: works with ``torch.amp.GradScaler`` (fp16).
+        devices: device types the kernels support.
+        runs_on_fake: ``step()`` works on FakeTensors, so the planner can trace it.
+        shared_state_bytes: ``(pairs, **hyperparameters) -> int`` for state shared by all parameters
+            (e.g. quantization maps), ``pairs`` being ``(param, module)``; None means none.
+        bind_model: ``(optimizer, model) -> None`` applies per-module settings that need the model
+            (e.g. 32-bit state for embeddings); called by create/convert when a model is given.
+        conversion_note: appended to the conversion warning when the meaning of a carried value
+            differs (e.g. Adafactor's learning rate).
+    """
+
+    name: str
+    factory: Callable[..., torch.optim.Optimizer]
+    state_bytes: Callable[..., int]
+    aliases: tuple[str, ...] = ()
+    available: Callable[[], tuple[bool, str]] = _always_available
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    carries: frozenset[str] = frozenset({"lr", "weight_decay"})
+    fused: bool = False
+    paged: bool = False
+    scaler_ok: bool = True
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    runs_on_fake: bool = True
+    shared_state_bytes: Callable[..., int] | None = None
+    bind_model: Callable[[torch.optim.Optimizer, nn.Module], None] | None = None
+    conversion_note: str = ""
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or _normalize(self.name) != self.name:
+            raise ValueError(f"OptimizerSpec name must be lower case with '_' separators, got {self.name!r}"
+                             + (f"; use {_normalize(self.name)!r}" if isinstance(self.name, str) else ""))
+        aliases = (self.aliases,) if isinstance(self.aliases, str) else tuple(self.aliases)
+        object.__setattr__(self, "aliases", tuple(_normalize(a) for a in aliases))
+        object.__setattr__(self, "carries", frozenset(self.carries))
+        object.__setattr__(self, "devices", tuple(self.devices))
+        for attr in ("factory", "state_bytes", "available"):
+            if not callable(getattr(self, attr)):
+                raise TypeError(f"OptimizerSpec {self.name!r}: {attr} must be callable, got {getattr(self, attr)!r}")
+        try:
+            inspect.signature(self.state_bytes).bind(torch.empty(0, device="meta"), module=None)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"OptimizerSpec {self.name!r}: state_bytes must accept (param, module=None, "
+                            f"**hyperparameters): {exc}") from None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
+
+    def convert_group(self, group: Mapping[str, Any], source_defaults: Mapping[str, Any]) -> tuple[dict, dict]:
+        """Translate one AdamW-style param group: ``(new_group, {dropped_key: description})``.
+
+        Example:
+            >>> spec.convert_group({"params": [], "lr": 0.1, "amsgrad": True}, {"lr": 1, "amsgrad": False})
+            ({'params': [], 'lr': 0.1}, {'amsgrad': 'amsgrad=True'})
+        """
+        new, dropped = {"params": group["params"]}, {}
+        for key, value in group.items():
+            if key == "params" or key in _IMPLEMENTATION_FLAGS:
+                continue
+            if key in self.carries:
+                new[key] = value
+            elif key not in source_defaults:
+                new[key] = value  # user metadata ("name", scheduler's "initial_lr"): keep it
+            elif key not in _NEUTRAL or value != _NEUTRAL[key]:
+                dropped[key] = f"{key}={value!r}"
+        if group.get("decoupled_weight_decay") is False and group.get("weight_decay") and "weight_decay" in self.carries:
+            dropped["weight_decay"] = (f"weight_decay={group['weight_decay']!r} (coupled L2 in the source, decoupled "
+                                       f"in {self.name}: value carried, meaning changed)")
+        return new, dropped
+
+
+@dataclass(frozen=True)
+class OptimizerRow:
+    """One line of :func:`optimizers`."""
+
+    name: str
+    aliases: tuple[str, ...]
+    available: bool
+    state_bytes_per_param: float
+    install_hint: str
+    plugin: str
+    fused: bool
+    paged: bool
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# -- the merged view of all plugins -------------------------------------------------------------
+
+@dataclass
+class _Registry:
+    by_name: dict[str, tuple[OptimizerSpec, str]]
+    conflicts: dict[str, list[tuple[OptimizerSpec, str]]]
+    entries: list[tuple[OptimizerSpec, str]]
+
+
+_cache: tuple[object, _Registry] | None = None
+_cache_lock = threading.Lock()
+
+
+def _registry() -> _Registry:
+    global _cache
+    pm = get_plugin_manager()
+    key = (id(pm), tuple(sorted((name, id(p)) for name, p in pm.list_name_plugin())))
+    with _cache_lock:
+        if _cache is None or _cache[0] != key:
+            _cache = (key, _collect(pm))
+        return _cache[1]
+
+
+def _collect(pm) -> _Registry:
+    entries: list[tuple[OptimizerSpec, str]] = []
+    # Each implementation is called on its own so that one failing plugin does not hide the others.
+    for impl in pm.hook.memwrap_optimizers.get_hookimpls():
+        if impl.hookwrapper or impl.wrapper:
+            continue
+        origin = plugin_origin(impl.plugin_name)
+        try:
+            specs = list(impl.function() or [])
+            bad = [s for s in specs if not isinstance(s, OptimizerSpec)]
+            if bad:
+                raise TypeError(f"memwrap_optimizers() must return OptimizerSpec objects, got {bad[0]!r}")
+        except Exception as exc:
+            warnings.warn(f"{origin}: memwrap_optimizers() failed: {type(exc).__name__}: {exc}. Its optimizers are "
+                          "unavailable; other plugins are unaffected.", PluginLoadWarning, stacklevel=4)
+            continue
+        entries.extend((s, origin) for s in specs)
+    by_name: dict[str, tuple[OptimizerSpec, str]] = {}
+    conflicts: dict[str, list[tuple[OptimizerSpec, str]]] = {}
+    for entry in entries:
+        for n in dict.fromkeys(entry[0].names):
+            if n in conflicts:
+                conflicts[n].append(entry)
+            elif n in by_name:
+                conflicts[n] = [by_name.pop(n), entry]
+            else:
+                by_name[n] = entry
+    return _Registry(by_name, conflicts, entries)
+
+
+def get_optimizer_spec(name: str) -> OptimizerSpec:
+    """Look up an optimizer by name or alias (case-insensitive; Hugging Face ``optim=`` strings work).
+
+    Example:
+        >>> get_optimizer_spec("adamw_bnb_8bit").name
+        'adamw_8bit'
+    """
+    reg = _registry()
+    key = _normalize(name) if isinstance(name, str) else name
+    if key in reg.conflicts:
+        claims = "; ".join(f"{origin} (optimizer {spec.name!r})" for spec, origin in reg.conflicts[key])
+        raise OptimizerConflictError(
+            f"optimizer name {name!r} is claimed by more than one plugin: {claims}. Uninstall one of them, or block "
+            "one with MEMWRAP_BLOCK_PLUGINS=<plugin name>.")
+    if key not in reg.by_name:
+        listing = ", ".join(sorted(spec.name + (f" ({', '.join(spec.aliases)})" if spec.aliases else "")
+                                   for spec, _ in {id(e[0]): e for e in reg.by_name.values()}.values()))
+        raise UnknownOptimizerError(f"unknown optimizer {name!r}.{closest_hint(key, reg.by_name)} "
+                                    f"Available: {listing or 'none (no optimizer plugin loaded)'}.")
+    return reg.by_name[key][0]
+
+
+def _require_available(spec: OptimizerSpec) -> None:
+    ok, hint = spec.available()
+    if not ok:
+        raise OptimizerUnavailableError(f"optimizer {spec.name!r} is not available: {hint}")
+
+
+def _split_model(params, model):
+    if isinstance(params, nn.Module):
+        return params.parameters(), model if model is not None else params
+    return params, model
+
+
+def create_optimizer(name: str, params, *, model: nn.Module | None = None, **hyperparameters) -> torch.optim.Optimizer:
+    """Build the optimizer registered as ``name`` over ``params`` (tensors, groups, or a module).
+
+    Pass ``model`` (or the module itself as ``params``) so the optimizer can apply per-module
+    settings such as 32-bit state for embeddings in ``adamw_8bit``.
+
+    Example:
+        >>> opt = create_optimizer("adamw_8bit", model, lr=2e-4)  # doctest: +SKIP
+    """
+    spec = get_optimizer_spec(name)
+    _require_available(spec)
+    params, model = _split_model(params, model)
+    optimizer = spec.factory(params, **{**spec.defaults, **hyperparameters})
+    if model is not None and spec.bind_model is not None:
+        spec.bind_model(optimizer, model)
+    return optimizer
+
+
+def convert_optimizer(optimizer: torch.optim.Optimizer, name: str, *, model: nn.Module | None = None) -> torch.optim.Optimizer:
+    """Rebuild ``optimizer`` as the registered optimizer ``name``, before any step.
+
+    Param groups keep their own lr and weight_decay (and betas/eps where the target understands
+    them); every hyperparameter that does not carry over is named in one :class:`ConversionWarning`.
+
+    Example:
+        >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # doctest: +SKIP
+        >>> opt = convert_optimizer(opt, "adamw_8bit", model=model)  # doctest: +SKIP
+    """
+    spec = get_optimizer_spec(name)
+    holding = [s for s in optimizer.state.values() if s]
+    if holding:
+        raise ValueError(
+            f"cannot convert {type(optimizer).__name__} to {spec.name!r}: it already holds state for {len(holding)} "
+            f"parameter(s) (it has stepped), and that state cannot be translated into {spec.name}'s. Convert right "
+            "after building the optimizer, before the first optimizer.step().")
+    _require_available(spec)
+    groups, dropped = [], {}
+    for group in optimizer.param_groups:
+        new, lost = spec.convert_group(group, optimizer.defaults)
+        groups.append(new)
+        for key, text in lost.items():
+            dropped.setdefault(key, text)
+    if dropped or spec.conversion_note:
+        parts = [f"converting {type(optimizer).__name__} to {spec.name!r}:"]
+        if dropped:
+            parts.append(f"these hyperparameters do not carry over and take {spec.name}'s defaults: "
+                         f"{', '.join(dropped.values())}.")
+        if spec.conversion_note:
+            parts.append(spec.conversion_note)
+        warnings.warn(" ".join(parts), ConversionWarning, stacklevel=2)
+    new_optimizer = spec.factory(groups, **spec.defaults)
+    if model is not None and spec.bind_model is not None:
+        spec.bind_model(new_optimizer, model)
+    return new_optimizer
+
+
+def _param_modules(model_or_params) -> list[tuple[torch.Tensor, nn.Module | None]]:
+    if isinstance(model_or_params, nn.Module):
+        owners: dict[int, tuple[torch.Tensor, nn.Module]] = {}
+        for module in model_or_params.modules():
+            for p in module.parameters(recurse=False):
+                owners.setdefault(id(p), (p, module))
+        return list(owners.values())
+    seen, pairs = set(), []
+    for item in model_or_params:
+        tensors = item["params"] if isinstance(item, Mapping) else [item]
+        for p in [tensors] if isinstance(tensors, torch.Tensor) else tensors:
+            if id(p) not in seen:
+                seen.add(id(p))
+                pairs.append((p, None))
+    return pairs
+
+
+def predict_state_bytes(name: str, model_or_params, **hyperparameters) -> int:
+    """Bytes of optimizer state after the first step, without running it (meta/fake tensors work).
+
+    Example:
+        >>> predict_state_bytes("adamw", torch.nn.Linear(1000, 1000, bias=False))
+        8000004
+    """
+    spec = get_optimizer_spec(name)
+    pairs = [(p, m) for p, m in _param_modules(model_or_params) if p.requires_grad]
+    hp = {**spec.defaults, **hyperparameters}
+    total = sum(int(spec.state_bytes(p, module=m, **hp)) for p, m in pairs)
+    if spec.shared_state_bytes is not None:
+        total += int(spec.shared_state_bytes(pairs, **hp))
+    return total
+
+
+def measure_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held by the optimizer's state tensors, each storage counted once.
+
+    Example:
+        >>> measure_state_bytes(torch.optim.SGD(torch.nn.Linear(2, 2).parameters()))
+        0
+    """
+    seen, total = set(), 0
+
+    def visit(value):
+        nonlocal total
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            key = (value.device, storage.data_ptr(), storage.nbytes())
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+        elif isinstance(value, Mapping):
+            for v in value.values():
+                visit(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+
+    for state in optimizer.state.values():
+        visit(state)
+    return total
+
+
+def optimizers() -> list[OptimizerRow]:
+    """List the registered optimizers: availability, install hint, state bytes per fp32 parameter.
+
+    The state figure is for one fp32 1024x1024 weight matrix (block-wise quantization scales
+    included), so it reads as bytes per parameter of a large layer.
+
+    Example:
+        >>> [r.name for r in optimizers()]  # doctest: +SKIP
+        ['adafactor', 'adamw', 'adamw_8bit', 'lion_8bit', 'paged_adamw_8bit']
+    """
+    reg = _registry()
+    probe = torch.empty(1024, 1024, device="meta")
+    rows = []
+    for spec, origin in reg.entries:
+        ok, hint = spec.available()
+        conflict = [n for n in spec.names if n in reg.conflicts]
+        if conflict:
+            ok, hint = False, f"name conflict on {', '.join(conflict)}: see get_optimizer_spec({conflict[0]!r})"
+        per_param = spec.state_bytes(probe, module=None, **spec.defaults) / probe.numel()
+        rows.append(OptimizerRow(spec.name, spec.aliases, ok, per_param, "" if ok else hint, origin, spec.fused, spec.paged))
+    return sorted(rows, key=lambda r: r.name)
+
+
+def scalar_step_bytes(fused: bool = False) -> int:
+    """Bytes of torch's per-parameter ``step`` tensor (float32, or float64 under a float64 default dtype)."""
+    return 4 if fused or torch.get_default_dtype() != torch.float64 else 8
+
