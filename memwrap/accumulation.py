@@ -107,7 +107,7 @@ class WrappedLoader:
     """
 
     def __init__(self, loader: Iterable, gate: AccumulationGate, count_items: Callable[[Any], int] | None = None,
-                 reduce_items: Callable[[int], int] | None = None):
+                 reduce_items: Callable[[int], float] | None = None):
         self.loader = loader
         self.gate = gate
         self.count_items = count_items

@@ -46,7 +46,8 @@ class Options:
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))
 # The Hugging Face TrainingArguments names that users know from the seeds.
-HF_ALIASES = ("gradient_accumulation_steps", "fp16", "bf16", "tf32", "gradient_checkpointing", "optim", "max_grad_norm")
+HF_ALIASES = ("gradient_accumulation_steps", "fp16", "bf16", "tf32", "gradient_checkpointing",
+              "activation_checkpointing", "optim", "max_grad_norm")  # transformers 5 renamed gradient_checkpointing
 ON_NONFINITE = ("skip", "raise")
 
 
@@ -92,8 +93,9 @@ def _resolve_aliases(raw: dict[str, Any]) -> dict[str, Any]:
         take(flags[0], "precision", flags[0])
     elif raw.get("tf32"):
         take("tf32", "precision", "tf32")
-    if raw.get("gradient_checkpointing"):
-        take("gradient_checkpointing", "checkpoint", values.get("checkpoint") or "auto")
+    for alias in ("gradient_checkpointing", "activation_checkpointing"):
+        if raw.get(alias):
+            take(alias, "checkpoint", values.get("checkpoint") or "auto")
     if raw.get("optim") is not None:
         optim = raw["optim"]
         take("optim", "optim", getattr(optim, "value", optim))  # HF's OptimizerNames is a str enum

@@ -221,6 +221,9 @@ def _wrap_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module | None, o
                     "and wrap it: scheduler = memwrap.wrap(LambdaLR(optimizer, ...))."
                 )
         inner = convert_optimizer(optimizer, opts.optim, model=model)
+    from memwrap.distributed import check_sharded_optimizer
+
+    check_sharded_optimizer(inner)  # e.g. 8-bit bitsandbytes on FSDP2 shards: fail now, with the fix, not at step 1
     monitor = None
     if opts.monitor is not None:
         from memwrap.memory import MemoryMonitor

@@ -1,0 +1,195 @@
+"""DDP and FSDP2 under torchrun (2 CPU processes, gloo) against the single-process big-batch reference.
+
+One torchrun launch runs every scenario of tests/dist_worker.py (launches cost seconds each);
+the tests below read its per-rank results.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import dist_worker as w
+from memwrap.distributed import check_sharded_optimizer, item_reducer, sync_control
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script: str | Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run ``script`` on 2 CPU processes; raise with both ranks' output if it fails."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env_path()]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(script), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def env_path() -> str:
+    return os.environ.get("PYTHONPATH", "")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    torchrun(ROOT / "tests" / "dist_worker.py", str(out))
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["world"] == 2 for r in ranks)
+    return [r["results"] for r in ranks]
+
+
+def result(runs, name: str, rank: int = 0) -> dict:
+    res = runs[rank][name]
+    assert "error" not in res, res.get("traceback", res.get("error"))
+    return res
+
+
+def rel_err(params: dict[str, list], ref: dict[str, torch.Tensor]) -> float:
+    assert set(params) == set(ref)
+    return max(float((torch.tensor(params[k]).view_as(v) - v).norm() / v.norm()) for k, v in ref.items())
+
+
+def sync_steps() -> list[int]:
+    """Micro-steps that close a window: where the one gradient communication of each window belongs."""
+    return [(i + 1) * w.ACCUMULATE - 1 for i in range(w.WINDOWS)]
+
+
+# --- DDP -------------------------------------------------------------------------------------
+
+def test_ddp_matches_global_big_batch_with_item_counts(runs):
+    # count_items differs per rank and micro-batch: only the weight W*n/T reproduces the global mean.
+    for rank in range(2):
+        res = result(runs, "ddp_fp32", rank)
+        assert rel_err(res["params"], w.reference(2)) <= 1e-5
+        assert res["updates"] == w.WINDOWS
+        assert res["checkpointed"] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert result(runs, "ddp_fp32", 0)["params"] == result(runs, "ddp_fp32", 1)["params"]
+    # The reference is sensitive to the weighting: uniform micro-batch weights land far away.
+    assert rel_err(result(runs, "ddp_fp32")["params"], w.reference(2, weighted=False)) > 1e-2
+
+
+def test_ddp_one_allreduce_per_window(runs):
+    for rank in range(2):
+        assert result(runs, "ddp_fp32", rank)["comm"] == sync_steps()
+
+
+def test_plain_loop_without_sync_control_allreduces_every_micro_batch(runs):
+    res = result(runs, "ddp_plain")
+    assert res["comm"] == list(range(w.ACCUMULATE * w.WINDOWS))  # N per window
+    assert rel_err(res["params"], w.reference(2, weighted=False)) <= 1e-5  # same maths, N times the traffic
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_ddp_mixed_precision_syncs_once_and_ranks_agree(runs, precision):
+    ranks = [result(runs, f"ddp_{precision}", r) for r in range(2)]
+    for res in ranks:
+        assert res["comm"] == sync_steps()
+        assert res["updates"] + res["skipped"] == w.WINDOWS
+        assert res["checkpointed"] == ["blocks.0", "blocks.1", "blocks.2"]
+        assert all(torch.isfinite(torch.tensor(v)).all() for v in res["params"].values())
+    assert ranks[0]["params"] == ranks[1]["params"]
+    if precision == "bf16":  # no skipped update: close to the fp32 reference within bf16 rounding
+        assert ranks[0]["skipped"] == 0
+        assert rel_err(ranks[0]["params"], w.reference(2, weighted=False)) < 0.05
+
+
+# --- FSDP2 -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_fsdp2_matches_reference_with_clipping(runs, order):
+    # "before": blocks checkpointed, then fully_shard (documented order); "after": wrap(checkpoint="auto")
+    # on an already-sharded model. Clipping runs over DTensor gradients (global norm).
+    ref = w.reference(2, max_norm=w.MAX_NORM)
+    for rank in range(2):
+        res = result(runs, f"fsdp_{order}", rank)
+        assert rel_err(res["params"], ref) <= 1e-5
+        assert res["checkpointed"] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert result(runs, f"fsdp_{order}", 0)["params"] == result(runs, f"fsdp_{order}", 1)["params"]
+    assert rel_err(result(runs, f"fsdp_{order}")["params"], w.reference(2)) > 1e-2  # clipping was active
+
+
+def test_fsdp2_one_reduce_scatter_per_unit_per_window(runs):
+    res = result(runs, "fsdp_before")
+    units = res["fsdp_units"]
+    assert units == w.BLOCKS + 1
+    assert res["comm"] == [s for s in sync_steps() for _ in range(units)]
+    plain = result(runs, "fsdp_plain")
+    assert plain["comm"] == [s for s in range(w.ACCUMULATE * w.WINDOWS) for _ in range(units)]
+
+
+def test_fsdp2_refuses_optimizers_that_cannot_step_dtensors(runs):
+    res = result(runs, "sharded_optimizers")
+    assert res["adamw"] == {"refused": None, "step_error": None}
+    refused = {k: v for k, v in res.items() if v["refused"]}
+    assert "adafactor" in refused
+    if importlib_has("bitsandbytes"):
+        assert "bnb_adamw8bit" in refused
+    for name, v in refused.items():
+        assert "Fix:" in v["refused"] and "optim='adamw'" in v["refused"]
+        assert v["step_error"] is not None, f"{name} stepped DTensors fine; the refusal is unneeded"
+
+
+def importlib_has(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+# --- single process --------------------------------------------------------------------------
+
+def test_single_process_models_need_no_sync_or_reduction():
+    net = nn.Linear(2, 2)
+    assert sync_control(net) is None
+    assert item_reducer(net) is None
+    check_sharded_optimizer(torch.optim.Adafactor(net.parameters()))  # plain tensors: anything goes
+
+
+@pytest.mark.skipif(not importlib_has("bitsandbytes"), reason="bitsandbytes not installed")
+def test_8bit_optimizer_allowed_on_plain_parameters():
+    import bitsandbytes as bnb
+
+    check_sharded_optimizer(bnb.optim.AdamW8bit(nn.Linear(2, 2).parameters()))
+
+
+# --- examples --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("example", ["ddp_torchrun.py", "fsdp2_torchrun.py"])
+def test_distributed_examples_run(example):
+    proc = torchrun(ROOT / "examples" / example, "--steps", "4")
+    assert "updates=2" in proc.stdout, proc.stdout
+
+
+# --- FSDP2 mixed precision -------------------------------------------------------------------
+
+def test_fsdp2_bf16_syncs_once_per_window_and_tracks_reference(runs):
+    ranks = [result(runs, "fsdp_bf16", r) for r in range(2)]
+    for res in ranks:
+        assert res["comm"] == [s for s in sync_steps() for _ in range(res["fsdp_units"])]
+        assert res["updates"] == w.WINDOWS and res["skipped"] == 0
+    assert ranks[0]["params"] == ranks[1]["params"]
+    assert rel_err(ranks[0]["params"], w.reference(2, max_norm=w.MAX_NORM)) < 0.05
+
+
+def test_fsdp2_fp16_ranks_skip_together_when_one_shard_overflows(runs):
+    # An inf in rank 0's gradient shard alone: both ranks must skip that window and halve the scale.
+    ranks = [result(runs, "fsdp_fp16_inf_one_rank", r) for r in range(2)]
+    assert ranks[0]["windows"] == ranks[1]["windows"]
+    updated = [win["updated"] for win in ranks[0]["windows"]]
+    assert updated[1] is False and updated[2] is True
+    assert ranks[0]["windows"][1]["scale"] == ranks[0]["windows"][0]["scale"] / 2
+    assert ranks[0]["params"] == ranks[1]["params"]
