@@ -26,11 +26,15 @@ _EXPORTS = {
     "create_optimizer": "memwrap.registry",
     "optimizers": "memwrap.registry",
     "OptimizerSpec": "memwrap.registry",
+    "convert_optimizer": "memwrap.registry",
+    "find_blocks": "memwrap.checkpointing",
     "estimate": "memwrap.memory",
     "plan": "memwrap.memory",
     "Estimate": "memwrap.memory",
     "Plan": "memwrap.memory",
     "MemoryMonitor": "memwrap.memory",
+    "measure_peak": "memwrap.memory",
+    "parse_budget": "memwrap.memory",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -10,6 +10,7 @@ import warnings
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from memwrap.accumulation import AccumulationGate
 
@@ -127,13 +128,11 @@ class WrappedOptimizer(torch.optim.Optimizer):
                 "the update was not applied. Fix: lower the learning rate, use precision='bf16' or 'fp32', or pass "
                 "on_nonfinite='skip' to skip such updates."
             )
-        if scaler.is_enabled():
-            # scaler.step skips the inner step itself when unscale_ found inf/nan.
-            scaler.step(self.optimizer)
-            scaler.update()
-            return finite
         if finite:
+            # Our norm check sees exactly what GradScaler's inf check saw after unscale_, so the inner
+            # step is called directly instead of through scaler.step (which would read the flag again).
             self.optimizer.step()
+        scaler.update()  # backs off or grows the scale from the flags unscale_ recorded; no-op when disabled
         return finite
 
     def _clip_and_check(self, params: list[torch.Tensor]) -> bool:
@@ -145,6 +144,10 @@ class WrappedOptimizer(torch.optim.Optimizer):
             norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm, foreach=True)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        if is_fake(norm):
+            # The planner traces this very step on fake tensors, which carry no values to check.
+            self.last_grad_norm = None
+            return True
         self.last_grad_norm = float(norm)
         return bool(torch.isfinite(norm))
 

@@ -226,7 +226,7 @@ def _wrap_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module | None, o
     check_sharded_optimizer(inner)  # e.g. 8-bit bitsandbytes on FSDP2 shards: fail now, with the fix, not at step 1
     monitor = None
     if opts.monitor is not None:
-        from memwrap.memory import MemoryMonitor
+        from memwrap.memory.monitor import MemoryMonitor
 
         monitor = MemoryMonitor(every=opts.monitor)
     return WrappedOptimizer(inner, gate, scaler, opts.max_grad_norm, opts.on_nonfinite, monitor)

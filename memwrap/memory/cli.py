@@ -1,0 +1,207 @@
+"""``memwrap plan``: the planner on the command line.
+
+Examples::
+
+    memwrap plan --preset llama-7b --batch 1 --seq 2048 --budget 24GiB
+    memwrap plan mypkg.models:build --input-shape 64,3,224,224 --budget 24GiB --plot plan.png
+    memwrap plan train.py:make_model --input-shape 8,512 --input-dtype long --input-high 32000 --budget "24 GB" --json
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import time
+from typing import Any
+
+__all__ = ["register", "run", "load_factory"]
+
+CHECKPOINT_NAMES = ("none", "selective", "full", "offload", "every-<k>")
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``plan`` subcommand to the ``memwrap`` parser."""
+    p = subparsers.add_parser(
+        "plan", help="predict peak memory of training configurations and pick the fastest that fits",
+        description="Trace one training step per configuration on fake tensors (nothing is allocated), rank the "
+                    "configurations that fit the budget by predicted step time, and print the two lines to paste.")
+    p.add_argument("target", nargs="?", help="model factory: 'package.module:function' or 'path/to/file.py:function' "
+                                             "(a zero-argument callable returning an nn.Module)")
+    p.add_argument("--preset", help="a built-in model preset (memwrap.models), e.g. llama-7b, gpt2-xl, resnet50")
+    p.add_argument("--budget", required=True, help='device memory, e.g. 24GiB, "24 GB", 25769803776')
+    p.add_argument("--batch", "--global-batch", dest="batch", type=int, default=None,
+                   help="samples per optimizer update (kept fixed; split into micro-batches x accumulation)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length for text presets (image side for resnet)")
+    p.add_argument("--input-shape", help="shape of one global batch for a factory model, e.g. 64,3,224,224 "
+                                         "(first number = batch)")
+    p.add_argument("--input-dtype", default="float32", choices=("float32", "long"),
+                   help="dtype of --input-shape inputs (long: token ids in [0, --input-high))")
+    p.add_argument("--input-high", type=int, default=32000, help="upper bound of random token ids (--input-dtype long)")
+    p.add_argument("--micro-batches", help="comma-separated micro-batch sizes to try (default: powers of two)")
+    p.add_argument("--precisions", default="bf16,fp32", help="comma-separated: fp32, tf32, bf16, fp16")
+    p.add_argument("--checkpoints", default="none,selective,every-2,full,offload",
+                   help=f"comma-separated checkpoint policies: {', '.join(CHECKPOINT_NAMES)}")
+    p.add_argument("--optimizers", default=None, help="comma-separated optimizer names (default: installed ones)")
+    p.add_argument("--max-grad-norm", type=float, default=None, help="gradient clipping, as in wrap()")
+    p.add_argument("--margin", type=float, default=0.08, help="margin as a fraction of the peak (default 0.08)")
+    p.add_argument("--margin-bytes", default="1GiB", help="fixed margin: CUDA context, workspaces (default 1GiB)")
+    p.add_argument("--top", type=int, default=None, help="show only the first N candidates in the table")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="write the plan as JSON to PATH, or to stdout (instead of the table) without PATH")
+    p.add_argument("--plot", metavar="PNG", help="stacked bars by category per candidate, with the budget line")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=run)
+    return p
+
+
+def load_factory(target: str):
+    """Import ``'pkg.mod:fn'`` or ``'path/file.py:fn'`` and return ``fn`` (or a module instance).
+
+    Example:
+        >>> load_factory("memwrap.models:GPT").__name__
+        'GPT'
+    """
+    if ":" not in target:
+        raise SystemExit(f"memwrap plan: model target {target!r} needs the form 'package.module:factory' or "
+                         f"'path/to/file.py:factory'.")
+    where, _, name = target.rpartition(":")
+    if where.endswith(".py") or os.sep in where:
+        if not os.path.exists(where):
+            raise SystemExit(f"memwrap plan: file {where!r} does not exist.")
+        spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(where))[0], where)
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
+        spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as exc:
+            raise SystemExit(f"memwrap plan: cannot import {where!r}: {exc}") from None
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        from memwrap.errors import closest_hint
+
+        names = [n for n in dir(module) if not n.startswith("_")]
+        raise SystemExit(f"memwrap plan: {where!r} has no attribute {name!r}.{closest_hint(name, names)}") from None
+
+
+def _list(text: str | None) -> list[str] | None:
+    return None if text is None else [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _checkpoints(text: str) -> list[Any]:
+    return [None if c.lower() in ("none", "no", "off") else c for c in _list(text)]
+
+
+def _model_and_batches(args):
+    import torch
+
+    if args.preset and args.target:
+        raise SystemExit("memwrap plan: give either --preset or a model factory, not both.")
+    if args.preset:
+        from memwrap.models import get_preset, preset_batch
+
+        try:
+            spec = get_preset(args.preset)
+        except ValueError as exc:
+            raise SystemExit(f"memwrap plan: {exc}") from None
+        batch = args.batch or 1
+        seq = args.seq
+        return spec.factory, (lambda mb: preset_batch(args.preset, mb, seq)), batch, spec.loss
+    if not args.target:
+        raise SystemExit("memwrap plan: give a model: --preset NAME or 'package.module:factory'.")
+    if not args.input_shape:
+        raise SystemExit("memwrap plan: a factory model needs --input-shape, e.g. --input-shape 64,3,224,224.")
+    try:
+        shape = [int(s) for s in args.input_shape.split(",")]
+    except ValueError:
+        raise SystemExit(f"memwrap plan: --input-shape {args.input_shape!r} must be comma-separated integers.") from None
+    factory = load_factory(args.target)
+    batch = args.batch or shape[0]
+    rest = shape[1:]
+    if args.input_dtype == "long":
+        make = lambda mb: torch.randint(0, args.input_high, (mb, *rest))  # noqa: E731
+    else:
+        make = lambda mb: torch.randn(mb, *rest)  # noqa: E731
+    return factory, make, batch, None
+
+
+class _Progress:
+    """Progress on stderr: a rich bar when rich is installed and stderr is a terminal, else plain lines."""
+
+    def __init__(self, quiet: bool):
+        self.quiet, self.bar, self.task, self.t0 = quiet, None, None, time.perf_counter()
+        if quiet or not sys.stderr.isatty():
+            return
+        try:
+            from rich.console import Console
+            from rich.progress import Progress
+        except ImportError:
+            return
+        self.bar = Progress(console=Console(stderr=True), transient=True)
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        if self.quiet:
+            return
+        if self.bar is not None:
+            if self.task is None:
+                self.bar.start()
+                self.task = self.bar.add_task("planning", total=total)
+            self.bar.update(self.task, completed=done, description=label)
+            return
+        print(f"[{time.perf_counter() - self.t0:6.1f}s] {done}/{total} {label}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None and self.task is not None:
+            self.bar.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute ``memwrap plan``; returns the exit status (0 when a plan was made, fitting or not)."""
+    from memwrap.memory.budget import parse_budget
+    from memwrap.memory.plan import Margin, plan
+    from memwrap.memory.report import plan_table, plot_plan, print_plan
+
+    try:
+        budget = parse_budget(args.budget)
+        margin = Margin(args.margin, parse_budget(args.margin_bytes) if args.margin_bytes not in ("0", "") else 0)
+    except ValueError as exc:
+        print(f"memwrap plan: {exc}", file=sys.stderr)
+        return 2
+    factory, make_batch, global_batch, loss = _model_and_batches(args)
+    micro = [int(m) for m in _list(args.micro_batches)] if args.micro_batches else None
+    progress = _Progress(args.quiet or args.json == "-")
+    try:
+        result = plan(factory, make_batch, budget=budget, global_batch=global_batch, loss_fn=_loss(loss),
+                      precisions=_list(args.precisions), checkpoints=_checkpoints(args.checkpoints),
+                      optimizers=_list(args.optimizers), micro_batches=micro, margin=margin,
+                      max_grad_norm=args.max_grad_norm, progress=progress)
+    except (ValueError, TypeError) as exc:
+        progress.close()
+        print(f"memwrap plan: {exc}", file=sys.stderr)
+        return 2
+    progress.close()
+    if args.plot:
+        plot_plan(result, args.plot)
+    if args.json == "-":
+        json.dump(result.to_dict(), sys.stdout, indent=1, default=repr)
+        print()
+        return 0
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result.to_dict(), fh, indent=1, default=repr)
+    if sys.stdout.isatty():
+        print_plan(result)
+    else:
+        print(plan_table(result, limit=args.top))
+    return 0
+
+
+def _loss(preset_loss):
+    if preset_loss is None:
+        return None
+    return lambda outputs, targets: preset_loss(outputs, targets)

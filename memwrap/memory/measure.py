@@ -1,0 +1,160 @@
+"""Measure the real peak of training steps, to check the planner's predictions.
+
+CPU: the peak of live bytes seen by torch's CPU allocator, from ``torch.profiler`` memory events
+(every allocation and free the c10 allocator reports, in order) plus the bytes alive when the
+profile starts (parameters, buffers, optimizer state, batch). This is independent of the fake
+trace: it counts what the allocator actually handed out, including tensors the dispatcher never
+shows (kernel-internal buffers that go through the c10 allocator).
+
+CUDA: ``torch.cuda.max_memory_allocated`` (and ``max_memory_reserved``) over the measured steps,
+after ``reset_peak_memory_stats``.
+
+Example:
+    >>> from memwrap.models import build_preset, preset_batch
+    >>> r = measure_peak(build_preset("gpt2-tiny"), preset_batch("gpt2-tiny", 2, 32))  # doctest: +SKIP
+    >>> r["peak"] > r["baseline"]  # doctest: +SKIP
+    True
+"""
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from memwrap.memory.monitor import process_memory, reset_process_peak
+from memwrap.memory.batch import default_loss, split_batch
+
+__all__ = ["measure_peak", "live_bytes"]
+
+
+def live_bytes(*objects: Any) -> int:
+    """Bytes of the distinct storages reachable from modules, optimizers and tensors (nested).
+
+    Example:
+        >>> live_bytes(torch.nn.Linear(10, 10, bias=False))
+        400
+    """
+    seen: set[tuple] = set()
+    total = 0
+
+    def add(t: torch.Tensor) -> None:
+        nonlocal total
+        st = t.untyped_storage()
+        key = (t.device, st.data_ptr(), st.nbytes())
+        if st.nbytes() and key not in seen:
+            seen.add(key)
+            total += st.nbytes()
+
+    def visit(obj: Any) -> None:
+        if isinstance(obj, nn.Module):
+            for p in obj.parameters():
+                add(p)
+                if p.grad is not None:
+                    add(p.grad)
+            for b in obj.buffers():
+                add(b)
+        elif isinstance(obj, torch.optim.Optimizer):
+            for state in obj.state.values():
+                visit(list(state.values()) if isinstance(state, dict) else state)
+        elif isinstance(obj, torch.Tensor):
+            add(obj)
+        else:
+            for leaf in tree_flatten(obj)[0]:
+                if isinstance(leaf, (torch.Tensor, nn.Module, torch.optim.Optimizer)):
+                    visit(leaf)
+
+    for obj in objects:
+        visit(obj)
+    return total
+
+
+def _run_update(wmodel, wopt, batches, loss_fn) -> None:
+    for batch in batches:
+        args, kwargs, targets = split_batch(batch)
+        outputs = wmodel(*args, **kwargs)
+        loss = loss_fn(outputs, targets)
+        del outputs, args, kwargs, targets
+        loss.backward()
+        del loss
+        wopt.step()
+        wopt.zero_grad()
+
+
+def measure_peak(model: nn.Module | Callable[[], nn.Module], batch: Any, loss_fn: Callable | None = None, *,
+                 steps: int = 1, optimizer: str = "adamw", device: str | torch.device | None = None,
+                 profile: bool = True, **wrap_options: Any) -> dict[str, Any]:
+    """Run ``1 + steps`` real optimizer updates under ``memwrap.wrap(**wrap_options)`` and measure the peak.
+
+    The first update creates the optimizer state (not measured, as in the estimate's steady
+    state); the next ``steps`` updates of ``accumulate`` micro-batches each are measured. ``model``
+    is a module or a zero-argument factory; ``batch`` a micro-batch (or a callable returning one).
+
+    Returns ``peak`` (bytes: CPU allocator peak of live bytes, or ``torch.cuda.max_memory_allocated``),
+    ``baseline`` (bytes alive before the measured steps), ``reserved`` (CUDA only), ``rss_peak`` and
+    ``rss_start`` (process memory, CPU) and ``method``. ``profile=False`` (CPU) skips the profiler,
+    whose own buffers inflate process memory: ``peak`` is then None and only the RSS figures count.
+
+    Example:
+        >>> measure_peak(lambda: torch.nn.Linear(64, 64), torch.randn(8, 64), steps=1)["peak"] > 0
+        True
+    """
+    import memwrap
+    from memwrap.registry import create_optimizer
+
+    gc.collect()
+    rss_start = process_memory()["rss"]
+    reset_process_peak()
+    if not isinstance(model, nn.Module):
+        model = model()
+    dev = torch.device(device) if device is not None else next(model.parameters()).device
+    model = model.to(dev).train()
+    make = batch if callable(batch) else (lambda: batch)
+    accumulate = int(wrap_options.get("accumulate", 1))
+    batches = [_to(make(), dev) for _ in range(accumulate)]
+    loss_fn = loss_fn or default_loss
+    opt_name = wrap_options.pop("optim", None) or optimizer
+    inner = create_optimizer(opt_name, model.parameters(), model=model)
+    wmodel, wopt = memwrap.wrap(model, inner, **wrap_options)
+    _run_update(wmodel, wopt, batches, loss_fn)  # warm-up: optimizer state now exists
+    gc.collect()
+    result: dict[str, Any] = {"device": str(dev), "steps": steps, "optimizer": opt_name}
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        result["baseline"] = torch.cuda.memory_allocated(dev)
+        for _ in range(steps):
+            _run_update(wmodel, wopt, batches, loss_fn)
+        torch.cuda.synchronize(dev)
+        result.update(peak=torch.cuda.max_memory_allocated(dev), reserved=torch.cuda.max_memory_reserved(dev),
+                      method="torch.cuda.max_memory_allocated")
+    elif not profile:
+        for _ in range(steps):
+            _run_update(wmodel, wopt, batches, loss_fn)
+        result.update(peak=None, baseline=live_bytes(model, inner, batches), method="process RSS only")
+    else:
+        from torch.profiler import ProfilerActivity, profile
+
+        baseline = live_bytes(model, inner, batches, wopt.scaler.__dict__)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            for _ in range(steps):
+                _run_update(wmodel, wopt, batches, loss_fn)
+        events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                        if e.name() == "[memory]" and str(e.device_type()).endswith("CPU"))
+        running = peak = 0
+        for _, nbytes in events:
+            running += nbytes
+            peak = max(peak, running)
+        result.update(peak=baseline + peak, baseline=baseline, method="torch.profiler CPU allocator events")
+    mem = process_memory()
+    result.update(rss_start=rss_start, rss_peak=mem["peak"])
+    return result
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, lambda t: t.to(device), batch)

@@ -1,0 +1,332 @@
+"""``plan()``: search micro-batch x accumulation, precision, checkpointing and optimizer under a
+memory budget, and rank the configurations by predicted step time.
+
+Traces are shared: candidates with the same shapes (micro-batch, precision, checkpoint policy,
+accumulation on/off) share one trace, and optimizers that cannot run on fake tensors are derived
+from it exactly through their plugin's ``state_bytes`` (:func:`memwrap.memory.estimate.derive`).
+
+Example:
+    >>> from memwrap.models import build_preset, preset_batch
+    >>> p = plan(build_preset("gpt2-tiny"), lambda mb: preset_batch("gpt2-tiny", mb, 64),
+    ...          budget="2GiB", global_batch=8, precisions=("bf16",), checkpoints=(None,))  # doctest: +SKIP
+    >>> p.best.options  # doctest: +SKIP
+    {'precision': 'bf16', 'accumulate': 1, 'optim': 'adamw'}
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
+
+from memwrap.memory.budget import format_bytes, parse_budget
+from memwrap.memory.cost import cost_terms
+from memwrap.memory.estimate import Estimate, derive, finish, resolve_model, trace_config
+
+__all__ = ["Candidate", "Margin", "Plan", "plan", "rank", "DEFAULT_PRECISIONS", "DEFAULT_CHECKPOINTS", "default_optimizers"]
+
+DEFAULT_PRECISIONS = ("bf16", "fp32")
+DEFAULT_CHECKPOINTS = (None, "selective", "every-2", "full", "offload")
+_PREFERRED_OPTIMIZERS = ("adamw", "adamw_8bit", "adafactor", "lion_8bit")
+
+
+@dataclasses.dataclass(frozen=True)
+class Margin:
+    """Room kept free beyond the predicted tensor peak: ``fraction * peak + fixed`` bytes.
+
+    It covers what no tensor trace sees: the CUDA context (300-600 MiB, outside
+    ``max_memory_allocated``), the caching allocator's fragmentation and cached blocks
+    (reserved - allocated, typically 5-10% of the peak) and library workspaces (cuBLAS, cuDNN,
+    NCCL). See docs/planner.md for the measurements behind the defaults.
+    """
+
+    fraction: float = 0.08
+    fixed: int = 1 << 30
+
+    def of(self, peak: int) -> int:
+        return int(self.fraction * peak) + int(self.fixed)
+
+    @classmethod
+    def parse(cls, value: Any) -> Margin:
+        if value is None:
+            return cls()
+        if isinstance(value, Margin):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1:
+            return cls(float(value), 0)
+        if isinstance(value, tuple) and len(value) == 2:
+            return cls(float(value[0]), parse_budget(value[1]) if value[1] else 0)
+        raise ValueError(f"margin={value!r} is not valid; give a fraction of the peak in [0, 1) (e.g. 0.1), a "
+                         f"(fraction, bytes) pair such as (0.08, '1GiB'), or a memwrap.memory.plan.Margin.")
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One configuration: its options, estimate, fit and predicted cost."""
+
+    micro_batch: int
+    accumulate: int
+    precision: str
+    checkpoint: Any
+    optim: str
+    estimate: Estimate
+    margin: int
+    fits: bool
+    seconds: float
+    terms: dict[str, float]
+    cost: float = 1.0  # seconds relative to the cheapest candidate
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """Keyword arguments for ``memwrap.wrap(model, optimizer, **options)``."""
+        out: dict[str, Any] = {"precision": self.precision, "accumulate": self.accumulate}
+        if self.checkpoint is not None:
+            out["checkpoint"] = self.checkpoint
+        out["optim"] = self.optim
+        return out
+
+    @property
+    def required(self) -> int:
+        """Predicted peak plus the margin: what must fit in the budget."""
+        return self.estimate.peak + self.margin
+
+    @property
+    def label(self) -> str:
+        return f"{self.micro_batch}x{self.accumulate} {self.precision} {self.checkpoint or 'no-ckpt'} {self.optim}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"label": self.label, "micro_batch": self.micro_batch, "accumulate": self.accumulate,
+                "precision": self.precision, "checkpoint": self.checkpoint, "optim": self.optim,
+                "options": self.options, "peak": self.estimate.peak, "margin": self.margin,
+                "required": self.required, "fits": self.fits, "seconds": self.seconds, "cost": self.cost,
+                "cost_terms": self.terms, "estimate": self.estimate.to_dict()}
+
+
+@dataclasses.dataclass
+class Plan:
+    """Ranked candidates: those that fit by predicted step time, then the others by memory needed."""
+
+    candidates: list[Candidate]
+    budget: int
+    global_batch: int
+    margin: Margin
+    seconds: float
+    skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (label, why) not traceable
+
+    @property
+    def best(self) -> Candidate | None:
+        """The fastest candidate that fits, or None."""
+        return self.candidates[0] if self.candidates and self.candidates[0].fits else None
+
+    @property
+    def fits(self) -> bool:
+        return self.best is not None
+
+    @property
+    def smallest(self) -> Candidate:
+        """The candidate with the smallest predicted peak."""
+        return min(self.candidates, key=lambda c: c.required)
+
+    @property
+    def verdict(self) -> str:
+        """One paragraph: the choice, or why nothing fits and what dominates the smallest peak."""
+        if self.best is not None:
+            b = self.best
+            return (f"best: {b.label}: peak {format_bytes(b.estimate.peak)} + margin {format_bytes(b.margin)} "
+                    f"= {format_bytes(b.required)} of {format_bytes(self.budget)}; predicted "
+                    f"{b.seconds:.3g} s/update on the reference GPU ({sum(c.fits for c in self.candidates)} of "
+                    f"{len(self.candidates)} candidates fit).")
+        s = self.smallest
+        cat = s.estimate.dominant
+        advice = {
+            "parameters": "the weights alone are too large: shard them (FSDP) or use a smaller model.",
+            "gradients": "gradients are the largest part: shard them (FSDP/ZeRO-2) or freeze part of the model.",
+            "optimizer_state": "optimizer state dominates: shard it (ZeRO-1/FSDP) or pick an optimizer with less state.",
+            "activations": "activations dominate: shorten the sequence, or lower the micro-batch below the candidates'.",
+            "temporaries": "backward temporaries dominate: shorten the sequence or lower the micro-batch.",
+        }.get(cat, "")
+        return (f"nothing fits in {format_bytes(self.budget)}: the smallest peak is {format_bytes(s.estimate.peak)} "
+                f"(+ margin {format_bytes(s.margin)} = {format_bytes(s.required)}) with {s.label}, dominated by "
+                f"{cat} ({format_bytes(s.estimate.breakdown[cat])}); {advice}")
+
+    def with_budget(self, budget: int | str, margin: Any = None) -> Plan:
+        """The same candidates judged against another budget (and margin), without tracing again.
+
+        Example:
+            >>> p.with_budget("80GiB").best  # doctest: +SKIP
+        """
+        margin_ = Margin.parse(margin) if margin is not None else self.margin
+        cands = [dataclasses.replace(c) for c in self.candidates]
+        return Plan(rank(cands, parse_budget(budget), margin_), parse_budget(budget), self.global_batch, margin_,
+                    self.seconds, list(self.skipped))
+
+    def code(self, model: str = "model", optimizer: str = "optimizer") -> str:
+        """The two lines to paste for the best candidate (or the smallest, when nothing fits)."""
+        c = self.best or self.smallest
+        opts = ", ".join(f"{k}={v!r}" for k, v in c.options.items())
+        note = "" if self.best is not None else " (does NOT fit: the smallest peak found)"
+        return (f"import memwrap\n{model}, {optimizer} = memwrap.wrap({model}, {optimizer}, {opts})"
+                f"  # micro-batch {c.micro_batch}{note}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"budget": self.budget, "global_batch": self.global_batch, "seconds": self.seconds,
+                "margin": dataclasses.asdict(self.margin), "fits": self.fits, "verdict": self.verdict,
+                "best": self.best.to_dict() if self.best else None, "code": self.code(),
+                "skipped": [{"label": lab, "reason": why} for lab, why in self.skipped],
+                "candidates": [c.to_dict() for c in self.candidates]}
+
+    def __str__(self) -> str:
+        from memwrap.memory.report import plan_table
+
+        return plan_table(self)
+
+
+def default_optimizers() -> tuple[str, ...]:
+    """Registered optimizers the plan tries by default (those whose backend is installed)."""
+    from memwrap.registry import optimizers
+
+    rows = {r.name: r for r in optimizers()}
+    return tuple(n for n in _PREFERRED_OPTIMIZERS if n in rows and rows[n].available)
+
+
+def _micro_batches(global_batch: int, given: Iterable[int] | None) -> list[int]:
+    if given is not None:
+        sizes = sorted({int(m) for m in given}, reverse=True)
+        bad = [m for m in sizes if m < 1 or global_batch % m]
+        if bad:
+            raise ValueError(f"micro-batch sizes {bad} do not divide global_batch={global_batch}; "
+                             f"valid: {[d for d in range(1, global_batch + 1) if global_batch % d == 0]}.")
+        return sizes
+    sizes = sorted({d for d in range(1, global_batch + 1) if global_batch % d == 0 and (d & (d - 1) == 0)}
+                   | {global_batch}, reverse=True)
+    return sizes if len(sizes) <= 4 else sizes[:3] + [1]
+
+
+def _expand(global_batch, candidates, micro_batches, precisions, checkpoints, optimizers) -> list[dict]:
+    if candidates is not None:
+        out = []
+        for c in candidates:
+            unknown = set(c) - {"micro_batch", "precision", "checkpoint", "optim"}
+            if unknown:
+                raise ValueError(f"candidate keys {sorted(unknown)} are not known; use micro_batch, precision, "
+                                 f"checkpoint, optim.")
+            mb = int(c.get("micro_batch", global_batch))
+            _micro_batches(global_batch, [mb])
+            out.append({"micro_batch": mb, "precision": c.get("precision", "fp32"),
+                        "checkpoint": c.get("checkpoint"), "optim": c.get("optim", "adamw")})
+        return out
+    return [{"micro_batch": mb, "precision": p, "checkpoint": ck, "optim": o}
+            for mb in _micro_batches(global_batch, micro_batches) for p in precisions for ck in checkpoints
+            for o in optimizers]
+
+
+def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int], Any], *, budget: int | str,
+         global_batch: int, candidates: list[dict] | None = None, loss_fn: Callable | None = None,
+         precisions: Iterable[str] = DEFAULT_PRECISIONS, checkpoints: Iterable[Any] = DEFAULT_CHECKPOINTS,
+         optimizers: Iterable[str] | None = None, micro_batches: Iterable[int] | None = None,
+         margin: Any = None, max_grad_norm: float | None = None,
+         progress: Callable[[int, int, str], Any] | None = None) -> Plan:
+    """Find the fastest configuration whose predicted peak (plus margin) fits in ``budget``.
+
+    ``make_batch(micro_batch_size)`` returns one micro-batch (see :func:`memwrap.estimate` for the
+    batch conventions); ``global_batch`` is kept fixed: each micro-batch size ``m`` runs with
+    ``accumulate = global_batch // m``. Without ``candidates`` (a list of dicts with keys
+    ``micro_batch``, ``precision``, ``checkpoint``, ``optim``) the search is the product of the
+    micro-batch sizes (powers of two dividing ``global_batch``, and ``global_batch``),
+    ``precisions``, ``checkpoints`` and ``optimizers`` (installed ones by default).
+    ``progress(done, total, label)`` is called as traces finish.
+
+    Example:
+        >>> p = plan(lambda: MyNet(), lambda mb: torch.randn(mb, 3, 224, 224), budget="24GiB",
+        ...          global_batch=64)  # doctest: +SKIP
+        >>> print(p.code())  # doctest: +SKIP
+    """
+    from memwrap.registry import get_optimizer_spec
+
+    start = time.perf_counter()
+    budget_bytes = parse_budget(budget)
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"global_batch must be an int >= 1 (samples per optimizer update), got {global_batch!r}.")
+    if not callable(make_batch):
+        raise TypeError("make_batch must be a callable taking the micro-batch size and returning one micro-batch, "
+                        "e.g. lambda mb: preset_batch('gpt2', mb, 1024).")
+    margin_ = Margin.parse(margin)
+    module = resolve_model(model)
+    specs = [_expand(global_batch, candidates, micro_batches, tuple(precisions), tuple(checkpoints),
+                     tuple(optimizers) if optimizers is not None else default_optimizers())][0]
+    if not specs:
+        raise ValueError("no candidate to evaluate: precisions, checkpoints and optimizers must not be empty.")
+    for s in specs:
+        s["optim"] = get_optimizer_spec(s["optim"]).name
+
+    groups: dict[tuple, list[dict]] = {}
+    for s in specs:
+        key = (s["micro_batch"], s["precision"], repr(s["checkpoint"]))
+        groups.setdefault(key, []).append(s)
+    traces: dict[tuple, Any] = {}
+    skipped: list[tuple[str, str]] = []
+    done, total = 0, len(groups)
+    results: list[Candidate] = []
+    for key, members in groups.items():
+        first = members[0]
+        mb = first["micro_batch"]
+        options = {"precision": first["precision"], "accumulate": global_batch // mb}
+        if first["checkpoint"] is not None:
+            options["checkpoint"] = first["checkpoint"]
+        if max_grad_norm is not None:
+            options["max_grad_norm"] = max_grad_norm
+        fake_runnable = [m["optim"] for m in members if get_optimizer_spec(m["optim"]).runs_on_fake]
+        reference = fake_runnable[0] if fake_runnable else None
+        batch_fn = (lambda mb_=mb: make_batch(mb_))
+        if progress is not None:
+            progress(done, total, f"tracing micro-batch {mb}, {first['precision']}, {first['checkpoint'] or 'no checkpointing'}")
+        try:
+            base = trace_config(module, batch_fn, loss_fn, options, reference)
+        except ValueError as exc:
+            if first["checkpoint"] is None:
+                raise
+            # e.g. checkpoint="full" on a model without repeated blocks: skip the policy, keep planning.
+            skipped += [(f"{m['micro_batch']}x{options['accumulate']} {m['precision']} {m['checkpoint']} {m['optim']}",
+                         str(exc)) for m in members]
+            done += 1
+            continue
+        traces[(key, reference)] = base
+        for m in members:
+            tr = derive(base, m["optim"], module)
+            if tr is None:
+                tr = traces.get((key, m["optim"]))
+                if tr is None:
+                    tr = trace_config(module, batch_fn, loss_fn, options, m["optim"])
+                    traces[(key, m["optim"])] = tr
+            est = finish(tr, {**options, "optim": m["optim"]}, m["optim"])
+            results.append(_candidate(m, options, est, margin_, budget_bytes))
+        done += 1
+        if progress is not None:
+            progress(done, total, f"traced {done}/{total}")
+    if not results:
+        raise ValueError(f"no candidate could be traced: {skipped[0][1] if skipped else 'empty grid'}")
+    return Plan(rank(results, budget_bytes, margin_), budget_bytes, global_batch, margin_, time.perf_counter() - start,
+                skipped)
+
+
+def rank(candidates: list[Candidate], budget: int, margin: Margin) -> list[Candidate]:
+    """Judge each candidate against ``budget`` (peak + margin) and order them: those that fit by
+    predicted step time, then the others by the memory they need. ``cost`` is relative to the fastest."""
+    fastest = min((c.seconds for c in candidates), default=0.0)
+    for c in candidates:
+        c.margin = margin.of(c.estimate.peak)
+        c.fits = c.estimate.peak + c.margin <= budget
+        c.cost = c.seconds / fastest if fastest > 0 else 1.0
+    return sorted(candidates, key=lambda c: (0, c.seconds, 0) if c.fits else (1, c.required, c.seconds))
+
+
+def _candidate(spec: dict, options: dict, est: Estimate, margin: Margin, budget: int) -> Candidate:
+    terms = cost_terms(flops=est.flops, ops=est.ops_per_micro_batch, micro_batches=options["accumulate"],
+                       precision=spec["precision"], param_bytes=est.state["parameters"],
+                       grad_bytes=est.state["gradients"], state_bytes=est.state["optimizer_state"],
+                       offloaded=est.offloaded)
+    extra = margin.of(est.peak)
+    return Candidate(spec["micro_batch"], options["accumulate"], spec["precision"], spec["checkpoint"],
+                     spec["optim"], est, extra, est.peak + extra <= budget, sum(terms.values()), terms)

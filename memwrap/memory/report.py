@@ -1,0 +1,119 @@
+"""Tables and plots of plans: plain text (or rich, when installed) and matplotlib bar charts.
+
+matplotlib and rich are imported only inside the functions that draw with them.
+
+Example:
+    >>> from memwrap.memory.report import gib
+    >>> gib(3 * 2**30)
+    '3.00'
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["plan_rows", "plan_table", "print_plan", "plot_plan", "gib", "TABLE_COLUMNS"]
+
+TABLE_COLUMNS = ("#", "candidate", "params", "grads", "opt state", "activations", "temp+other", "peak GiB",
+                 "+margin", "fits", "cost")
+
+
+def gib(n: int | float) -> str:
+    """Bytes as GiB with two decimals (the table's unit)."""
+    return f"{n / 2**30:.2f}"
+
+
+def plan_rows(plan: Any) -> list[list[str]]:
+    """One row of strings per candidate, in rank order (columns: :data:`TABLE_COLUMNS`)."""
+    rows = []
+    for i, c in enumerate(plan.candidates, 1):
+        b = c.estimate.breakdown
+        rows.append([str(i), c.label, gib(b["parameters"] + b["buffers"]), gib(b["gradients"]),
+                     gib(b["optimizer_state"]), gib(b["activations"]), gib(b["temporaries"] + b["other"]),
+                     gib(c.estimate.peak), gib(c.margin), "yes" if c.fits else "no", f"{c.cost:.2f}x"])
+    return rows
+
+
+def plan_table(plan: Any, limit: int | None = None) -> str:
+    """The plan as a plain-text table, its verdict and the code to paste.
+
+    Memory columns are the categories at the peak, in GiB; ``cost`` is the predicted step time
+    relative to the fastest candidate (see :mod:`memwrap.memory.cost`).
+    """
+    rows = plan_rows(plan)[:limit]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(TABLE_COLUMNS)]
+    fmt = "  ".join(f"{{:<{w}}}" if i == 1 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    lines = [f"memwrap plan: budget {gib(plan.budget)} GiB, global batch {plan.global_batch}, "
+             f"{len(plan.candidates)} candidates, margin {plan.margin.fraction:.0%} of peak + "
+             f"{gib(plan.margin.fixed)} GiB, planned in {plan.seconds:.1f} s",
+             fmt.format(*TABLE_COLUMNS), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*r) for r in rows]
+    if limit is not None and len(plan.candidates) > limit:
+        lines.append(f"... {len(plan.candidates) - limit} more")
+    lines += _skipped_lines(plan)
+    lines += ["", plan.verdict, "", plan.code()]
+    return "\n".join(lines)
+
+
+def _skipped_lines(plan: Any) -> list[str]:
+    if not plan.skipped:
+        return []
+    reasons = sorted({why.split(". ")[0] for _, why in plan.skipped})
+    return [f"skipped {len(plan.skipped)} candidate(s) that cannot run on this model: " + "; ".join(reasons)]
+
+
+def print_plan(plan: Any, console: Any = None) -> None:
+    """Print the plan with rich when it is installed, as plain text otherwise."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(plan_table(plan))
+        return
+    console = console or Console()
+    table = Table(title=f"memwrap plan: budget {gib(plan.budget)} GiB, global batch {plan.global_batch}, "
+                        f"margin {plan.margin.fraction:.0%} + {gib(plan.margin.fixed)} GiB, {plan.seconds:.1f} s")
+    for i, col in enumerate(TABLE_COLUMNS):
+        table.add_column(col, justify="left" if i == 1 else "right")
+    for row in plan_rows(plan):
+        style = None if row[9] == "yes" else "dim"
+        table.add_row(*row, style=style)
+    console.print(table)
+    for line in _skipped_lines(plan):
+        console.print(line, markup=False)
+    console.print(plan.verdict)
+    console.print(plan.code(), markup=False, highlight=False)
+
+
+def plot_plan(plan: Any, path: str, limit: int = 40) -> str:
+    """Stacked bars of the peak by category per candidate, the margin on top, and the budget line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cands = plan.candidates[:limit]
+    cats = [("parameters", "params+buffers"), ("gradients", "gradients"), ("optimizer_state", "optimizer state"),
+            ("activations", "activations"), ("temporaries", "temporaries+other")]
+    fig, ax = plt.subplots(figsize=(max(8, 0.32 * len(cands) + 3), 5.5))
+    x = range(len(cands))
+    bottom = [0.0] * len(cands)
+    for key, label in cats:
+        vals = []
+        for c in cands:
+            b = c.estimate.breakdown
+            v = b[key] + (b["buffers"] if key == "parameters" else 0) + (b["other"] if key == "temporaries" else 0)
+            vals.append(v / 2**30)
+        ax.bar(x, vals, bottom=bottom, label=label)
+        bottom = [a + v for a, v in zip(bottom, vals)]
+    ax.bar(x, [c.margin / 2**30 for c in cands], bottom=bottom, label="margin", color="none", edgecolor="grey",
+           hatch="//")
+    ax.axhline(plan.budget / 2**30, color="red", linestyle="--", label=f"budget {gib(plan.budget)} GiB")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels([("* " if c.fits else "") + c.label for c in cands], rotation=75, ha="right", fontsize=7)
+    ax.set_ylabel("GiB at the peak")
+    ax.set_title("memwrap plan: predicted peak by category (* = fits), ranked by predicted step time")
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,194 @@
+"""estimate(): category totals and peaks against real CPU runs; extrapolation against full traces."""
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from memwrap.memory import estimate
+from memwrap.memory.estimate import trace_config
+from memwrap.memory.measure import measure_peak
+from memwrap.module import WrappedModule
+from memwrap.models import GPT, GPTConfig, build_preset, lm_loss, preset_batch
+from memwrap.registry import create_optimizer, measure_state_bytes, predict_state_bytes
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def small_gpt(n_layer=2, n_embd=64, vocab=512, block=64):
+    return GPT(GPTConfig(n_layer=n_layer, n_head=4, n_embd=n_embd, vocab_size=vocab, block_size=block))
+
+
+def lm_batch(b, t, vocab):
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab, (b, t), generator=g), torch.randint(0, vocab, (b, t), generator=g)
+
+
+def plain_step_state(model, batch):
+    """Reference computed the plain way: one real AdamW step, then the bytes of each kind."""
+    opt = create_optimizer("adamw", model.parameters(), model=model)
+    x, y = batch
+    lm_loss(model(x), y).backward()
+    params = list(model.parameters())
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in params)
+    opt.step()
+    return {"parameters": sum(p.numel() * p.element_size() for p in params), "gradients": grads,
+            "optimizer_state": measure_state_bytes(opt)}
+
+
+def test_category_totals_match_a_real_step_exactly():
+    model = small_gpt()
+    batch = lm_batch(2, 32, 512)
+    est = estimate(model, batch)
+    ref = plain_step_state(small_gpt(), batch)
+    assert est.state["parameters"] == ref["parameters"]
+    assert est.state["gradients"] == ref["gradients"]
+    assert est.state["optimizer_state"] == ref["optimizer_state"]
+    assert est.breakdown["parameters"] == ref["parameters"]
+
+
+def test_model_storage_is_never_touched():
+    model = small_gpt()
+    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
+    estimate(model, lm_batch(2, 16, 512), precision="bf16", checkpoint="full")
+    for n, p in model.named_parameters():
+        assert p.data_ptr() == before[n][0] and torch.equal(p.detach(), before[n][1]) and p.grad is None
+    assert not any(isinstance(m, WrappedModule) for m in model.modules())
+
+
+def test_factory_is_built_on_meta_and_equals_module_input():
+    devices = []
+
+    def factory():
+        m = small_gpt()
+        devices.append(next(m.parameters()).device.type)
+        return m
+
+    batch = lm_batch(2, 16, 512)
+    a = estimate(factory, batch)
+    b = estimate(small_gpt(), lambda: batch)
+    assert devices == ["meta"]
+    assert a.peak == b.peak and a.breakdown == b.breakdown
+
+
+# >= 200 MB of training state (parameters + gradients + AdamW state) for the large case.
+@pytest.mark.parametrize("cfg,options", [
+    (dict(n_layer=6, n_embd=512, vocab=8192, block=128), {}),
+    (dict(n_layer=2, n_embd=128, vocab=1024, block=64), {"precision": "bf16", "checkpoint": "full"}),
+    (dict(n_layer=2, n_embd=128, vocab=1024, block=64), {"accumulate": 2, "max_grad_norm": 1.0,
+                                                         "checkpoint": "selective"}),
+    (dict(n_layer=2, n_embd=128, vocab=1024, block=64), {"precision": "fp16"}),
+])
+def test_peak_within_5_percent_of_the_measured_allocator_peak(cfg, options):
+    batch = lm_batch(2, cfg["block"], cfg["vocab"])
+    torch.manual_seed(0)
+    est = estimate(lambda: small_gpt(**cfg), batch, **options)
+    measured = measure_peak(lambda: small_gpt(**cfg), batch, **options)
+    if cfg["n_embd"] == 512:
+        assert est.state["parameters"] + est.state["gradients"] + est.state["optimizer_state"] >= 200e6
+    assert abs(est.peak - measured["peak"]) <= 0.05 * measured["peak"], (est.peak, measured)
+
+
+@pytest.mark.parametrize("options", [{}, {"precision": "bf16", "checkpoint": "full"},
+                                     {"checkpoint": "every-2", "accumulate": 3}, {"checkpoint": "offload"}])
+def test_extrapolation_equals_the_full_trace(options):
+    model = small_gpt(n_layer=8, n_embd=64, vocab=256, block=32)
+    batch = lm_batch(2, 32, 256)
+    full = trace_config(model, lambda: batch, None, options, "adamw", extrapolate=False)
+    fast = trace_config(model, lambda: batch, None, options, "adamw", extrapolate=True)
+    assert fast.method.startswith("extrapolated") and full.method == "full trace"
+    peak_full = max(full.segments.values(), key=lambda s: s.total)
+    peak_fast = max(fast.segments.values(), key=lambda s: s.total)
+    assert peak_fast.total == peak_full.total
+    assert peak_fast.bytes == peak_full.bytes
+    assert fast.flops == full.flops and fast.state == full.state
+    assert max(s.host for s in fast.segments.values()) == max(s.host for s in full.segments.values())
+
+
+def test_flops_match_flop_counter_on_a_real_step_and_include_recompute():
+    model = small_gpt()
+    x, y = lm_batch(2, 32, 512)
+    with FlopCounterMode(display=False) as counter:
+        lm_loss(model(x), y).backward()
+    plain = estimate(small_gpt(), (x, y))
+    recompute = estimate(small_gpt(), (x, y), checkpoint="full")
+    assert plain.flops_per_micro_batch == counter.get_total_flops()
+    assert recompute.flops_per_micro_batch > plain.flops_per_micro_batch
+    assert estimate(small_gpt(), (x, y), accumulate=4).flops == 4 * plain.flops
+
+
+def test_optimizer_that_cannot_run_on_fake_uses_plugin_state_bytes():
+    model = small_gpt()
+    est = estimate(model, lm_batch(2, 16, 512), optim="adamw_8bit")
+    assert est.optimizer == "adamw_8bit"
+    assert est.state["optimizer_state"] == predict_state_bytes("adamw_8bit", model)
+    assert est.breakdown["optimizer_state"] == predict_state_bytes("adamw_8bit", model)
+
+
+def test_accumulation_keeps_gradients_alive_during_the_second_micro_batch():
+    batch = lm_batch(4, 64, 512)
+    one = estimate(small_gpt(), batch)
+    acc = estimate(small_gpt(), batch, accumulate=4)
+    assert acc.peak > one.peak
+    assert acc.peak_micro_batch == 2 and acc.breakdown["gradients"] == acc.state["gradients"]
+
+
+def test_dict_batches_report_and_serialisation():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 8)
+
+        def forward(self, x, scale=None):
+            return self.b(torch.relu(self.a(x)))
+
+    est = estimate(Net(), {"x": torch.randn(16, 32)})
+    assert est.peak >= est.breakdown["parameters"] == (32 * 64 + 64 + 64 * 8 + 8) * 4
+    text = str(est)
+    assert "peak" in text and "parameters" in text and "TFLOP" in text
+    d = json.loads(json.dumps(est.to_dict()))
+    assert d["peak"] == est.peak and set(d["breakdown"]) >= {"parameters", "gradients", "optimizer_state",
+                                                            "activations", "temporaries", "buffers"}
+
+
+def test_bad_options_fail_like_wrap():
+    with pytest.raises(ValueError, match="precision"):
+        estimate(small_gpt(), lm_batch(1, 8, 512), precision="bf61")
+    with pytest.raises(TypeError, match="factory"):
+        estimate(42, lm_batch(1, 8, 512))
+
+
+def test_llama_preset_extrapolates_on_meta():
+    with torch.device("meta"):
+        model = build_preset("llama-tiny", num_hidden_layers=6)
+    est = estimate(model, lambda: preset_batch("llama-tiny", 1, 32), precision="bf16")
+    assert "extrapolated" in est.method
+    assert est.breakdown["parameters"] == sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_value_dependent_forward_gets_a_fix_naming_error():
+    class Peek(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y * 2 if float(y.sum()) > 0 else y
+
+    with pytest.raises(RuntimeError, match="reads tensor values.*Fix"):
+        estimate(Peek(), torch.randn(2, 4))
+
+
+def test_a_large_preset_is_estimated_without_allocating_it():
+    from memwrap.memory.monitor import process_memory, reset_process_peak
+    from memwrap.models import PRESETS
+
+    reset_process_peak()
+    before = process_memory()["rss"]
+    est = estimate(PRESETS["gpt2-xl"].factory, lambda: preset_batch("gpt2-xl", 1, 64))
+    grown = process_memory()["peak"] - before
+    assert est.state["parameters"] == PRESETS["gpt2-xl"].params * 4  # 6.2 GB of fp32 weights
+    assert est.peak > 4 * est.state["parameters"]  # weights, gradients, two AdamW moments
+    assert grown < 500 * 2**20, f"process memory grew by {grown / 2**20:.0f} MiB"

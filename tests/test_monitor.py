@@ -1,0 +1,79 @@
+"""MemoryMonitor: records every k updates, standalone and through wrap(monitor=k); summary; state_dict."""
+import pytest
+import torch
+
+import memwrap
+from memwrap.memory import MemoryMonitor
+from memwrap.memory.monitor import process_memory
+
+
+def test_records_every_k_updates_with_process_memory_on_cpu():
+    lines = []
+    m = MemoryMonitor(every=2, device="cpu", log=lines.append)
+    for _ in range(5):
+        m.step()
+    assert [r["update"] for r in m.records] == [2, 4]
+    assert len(lines) == 2 and "update 2" in lines[0]
+    for r in m.records:
+        assert r["peak_rss"] >= r["rss"] > 0
+
+
+def test_peak_rss_sees_a_large_allocation_between_records():
+    m = MemoryMonitor(every=1, device="cpu", log=None)
+    m.step()
+    big = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    del big
+    m.step()
+    # the record after the allocation holds a peak at least 64 MiB above the RSS of the one before
+    assert m.records[1]["peak_rss"] - m.records[0]["rss"] >= 60 * 2**20
+
+
+def test_summary_table_and_state_dict_round_trip():
+    m = MemoryMonitor(every=1, device="cpu", log=None)
+    assert "no memory records" in m.summary()
+    m.step(), m.step()
+    text = m.summary()
+    assert "peak_rss" in text and "max" in text.splitlines()[-1]
+    other = MemoryMonitor(every=3, device="cpu", log=None)
+    other.load_state_dict(m.state_dict())
+    assert other.records == m.records and other.every == 1 and other.count == 2
+    other.step()
+    assert other.records[-1]["update"] == 3
+
+
+def test_wrap_option_calls_the_monitor_after_real_updates_only():
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    wmodel, wopt = memwrap.wrap(model, opt, accumulate=2, monitor=1)
+    wopt.monitor.log = None
+    for _ in range(6):
+        wmodel(torch.randn(4, 8)).pow(2).mean().backward()
+        wopt.step()
+        wopt.zero_grad()
+    assert [r["update"] for r in wopt.monitor.records] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_bad_every_is_rejected(bad):
+    with pytest.raises(ValueError, match="every"):
+        MemoryMonitor(every=bad)
+
+
+def test_unknown_device_is_rejected():
+    with pytest.raises(ValueError, match="device"):
+        MemoryMonitor(device="meta")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_records_allocator_peaks():
+    m = MemoryMonitor(every=1, device="cuda", log=None)
+    x = torch.empty(32 * 2**20, dtype=torch.uint8, device="cuda")
+    del x
+    m.step()
+    assert m.records[0]["peak_allocated"] >= 32 * 2**20
+    assert m.records[0]["peak_reserved"] >= m.records[0]["peak_allocated"]
+
+
+def test_process_memory_reads_proc():
+    mem = process_memory()
+    assert mem["peak"] >= mem["rss"] > 0
