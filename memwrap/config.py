@@ -155,5 +155,7 @@ def options_from(training_args: Any) -> dict[str, Any]:
             f"{', '.join(HF_ALIASES)}; pass a TrainingArguments-like object or memwrap options directly."
         )
     found = {k: v for k, v in found.items() if v is not None}
+    if "gradient_checkpointing" in found:
+        found.pop("activation_checkpointing", None)  # transformers 5 keeps both names for one setting
     parse_options(**found)  # validate now, so a bad TrainingArguments fails here and not inside wrap()
     return found
