@@ -248,7 +248,7 @@ def test_class_name_and_callable_selection_errors():
     chosen = select_modules(model, {"GPTBlock", "GPTMLP"})
     assert [n for n, _ in chosen] == [f"transformer.h.{i}" for i in range(4)]
     # qualified class names work too
-    assert len(select_modules(model, {"memwrap.models.GPTBlock"})) == 4
+    assert len(select_modules(model, {"memwrap.models.gpt.GPTBlock"})) == 4
 
 
 def test_apply_argument_errors():
