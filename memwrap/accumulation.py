@@ -10,8 +10,6 @@ import collections
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import torch
-
 __all__ = ["AccumulationGate", "WrappedLoader"]
 
 

@@ -12,7 +12,7 @@ import torch
 
 from memwrap.errors import closest_hint
 
-__all__ = ["Precision", "FP32", "TF32", "BF16", "FP16", "get_precision", "PRECISIONS"]
+__all__ = ["Precision", "TF32", "BF16", "FP16", "get_precision", "PRECISIONS"]
 
 
 class Precision:
