@@ -105,6 +105,9 @@ def _finish_output(t: torch.Tensor, hook: _GradScale | None) -> torch.Tensor:
     if t.is_floating_point() and t.dtype != torch.float32 and t.dtype != torch.float64:
         t = t.float()
     if hook is not None and t.requires_grad:
+        # Hook a fresh alias, never the model's own tensor: when one output is computed from another
+        # inside forward (a loss from the logits), a hook on the shared tensor would weight that path twice.
+        t = t.view_as(t)
         t.register_hook(hook)
     return t
 

@@ -254,3 +254,35 @@ def test_error_loading_plain_optimizer_state_into_wrapper():
     assert isinstance(o, WrappedOptimizer)
     with pytest.raises(ValueError, match="not a memwrap optimizer checkpoint"):
         o.load_state_dict(opt.state_dict())
+
+
+class LossInside(torch.nn.Module):
+    """Hugging Face style: the loss is computed inside forward from the logits and both are returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, x, labels):
+        logits = self.lin(x)
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("use", ["loss", "logits", "both"])
+def test_outputs_computed_from_each_other_are_weighted_once(precision, use):
+    torch.manual_seed(0)
+    model = LossInside()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+
+    def total(out, labels):
+        own = torch.nn.functional.cross_entropy(out["logits"], labels)
+        return {"loss": out["loss"], "logits": own, "both": out["loss"] + own}[use]
+
+    total(ref(x, y), y).backward()
+    m, o = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.0), precision=precision, accumulate=2)
+    for xb, yb in zip(x.split(4), y.split(4)):
+        total(m(xb, yb), yb).backward()
+    tol = 1e-6 if precision == "fp32" else 2e-2
+    assert max_rel_err([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()]) < tol
