@@ -54,7 +54,10 @@ class WrappedModule(nn.Module):
         self._register_load_state_dict_pre_hook(_add_prefix)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        training = self.training and torch.is_grad_enabled()
+        # Grad mode, not train/eval mode, decides: a model trained in eval mode (frozen BatchNorm or
+        # dropout off) still needs its gradients weighted; an eval forward without backward never
+        # fires the hooks, and no forward moves the window (only optimizer.step() does).
+        training = torch.is_grad_enabled()
         sync = contextlib.nullcontext()
         if training and self._sync_context is not None:
             sync = self._sync_context(self._gate.closes_window())

@@ -286,3 +286,18 @@ def test_outputs_computed_from_each_other_are_weighted_once(precision, use):
         total(m(xb, yb), yb).backward()
     tol = 1e-6 if precision == "fp32" else 2e-2
     assert max_rel_err([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()]) < tol
+
+
+def test_training_in_eval_mode_still_weights_gradients():
+    """Frozen BatchNorm / no dropout: users train with model.eval(); the big-batch gradient must still come out."""
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(2))
+    model = net()
+    ref = copy.deepcopy(model)
+    ref(x).square().mean().backward()
+    m, o = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.0), accumulate=2)
+    m.eval()
+    for xb in x.split(4):
+        m(xb).square().mean().backward()
+        o.step()
+    assert o.updates == 1
+    assert max_rel_err([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()]) < 1e-6
