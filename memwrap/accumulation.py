@@ -33,6 +33,8 @@ class AccumulationGate:
         self.micro_step = 0
         self.windows = 0
         self._planned: list[float] | None = None
+        # Set by the wrapped model's gradient hooks; lets step() notice a call without a backward.
+        self.backward_seen = False
 
     @property
     def window_size(self) -> int:

@@ -155,7 +155,19 @@ def options_from(training_args: Any) -> dict[str, Any]:
             f"{', '.join(HF_ALIASES)}; pass a TrainingArguments-like object or memwrap options directly."
         )
     found = {k: v for k, v in found.items() if v is not None}
+    # TrainingArguments always has an optim; its default only means "AdamW", which the user's own
+    # optimizer already is or deliberately is not: convert only when one was chosen.
+    default = _field_default(training_args, "optim")
+    if "optim" in found and default is not None and getattr(found["optim"], "value", found["optim"]) == getattr(default, "value", default):
+        del found["optim"]
     if "gradient_checkpointing" in found:
         found.pop("activation_checkpointing", None)  # transformers 5 keeps both names for one setting
     parse_options(**found)  # validate now, so a bad TrainingArguments fails here and not inside wrap()
     return found
+
+
+def _field_default(obj: Any, name: str) -> Any:
+    field = getattr(type(obj), "__dataclass_fields__", {}).get(name)
+    if field is None or field.default is dataclasses.MISSING:
+        return None
+    return field.default

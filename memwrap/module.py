@@ -58,13 +58,25 @@ class WrappedModule(nn.Module):
         # dropout off) still needs its gradients weighted; an eval forward without backward never
         # fires the hooks, and no forward moves the window (only optimizer.step() does).
         training = torch.is_grad_enabled()
-        sync = contextlib.nullcontext()
-        if training and self._sync_context is not None:
-            sync = self._sync_context(self._gate.closes_window())
-        with sync, self._precision.autocast(self._device_type):
+        with self._sync(training), self._precision.autocast(self._device_type):
             outputs = self.module(*args, **kwargs)
+        return self._finish(outputs, training)
+
+    # Both read the window's state, which changes between micro-batches: under torch.compile they
+    # must run eagerly every call, or the first micro-batch's weight and sync decision get baked in.
+    @torch.compiler.disable
+    def _sync(self, training: bool) -> contextlib.AbstractContextManager:
+        if training and self._sync_context is not None:
+            return self._sync_context(self._gate.closes_window())
+        return contextlib.nullcontext()
+
+    @torch.compiler.disable
+    def _finish(self, outputs: Any, training: bool) -> Any:
         factor = self._grad_factor() if training else None
-        hook = _GradScale(factor, self._hooks_bypassed) if factor is not None else None
+        # With accumulation a hook goes on even at weight 1 (a one-batch last window): it also tells
+        # optimizer.step() that this micro-batch had its backward.
+        needs_hook = factor is not None or (training and self._gate.accumulate > 1)
+        hook = _GradScale(factor, self._hooks_bypassed, self._gate) if needs_hook else None
         return map_outputs(outputs, lambda t: _finish_output(t, hook))
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -73,6 +85,7 @@ class WrappedModule(nn.Module):
         See :func:`memwrap.backward` for when this is needed.
         """
         factor = self._grad_factor()
+        self._gate.backward_seen = True
         self._hooks_bypassed.on = True
         try:
             (loss if factor is None else loss * factor).backward(**kwargs)
@@ -127,15 +140,17 @@ class _Bypass:
 class _GradScale:
     """Backward hook multiplying the incoming gradient by a fixed factor (weight x loss scale)."""
 
-    __slots__ = ("factor", "bypass")
+    __slots__ = ("factor", "bypass", "gate")
 
-    def __init__(self, factor: float | torch.Tensor, bypass: _Bypass):
+    def __init__(self, factor: float | torch.Tensor | None, bypass: _Bypass, gate: AccumulationGate):
         self.factor = factor
         self.bypass = bypass
+        self.gate = gate
 
-    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
-        if self.bypass.on:
-            return grad
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor | None:
+        self.gate.backward_seen = True
+        if self.bypass.on or self.factor is None:
+            return None  # gradient unchanged
         factor = self.factor
         if isinstance(factor, torch.Tensor) and factor.device != grad.device:
             factor = factor.to(grad.device, non_blocking=True)
@@ -181,6 +196,7 @@ def _strip_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metada
 
 
 def _add_prefix(state_dict: dict, prefix: str, *args: Any) -> None:
-    for key in list(state_dict):
-        if key.startswith(prefix) and not key.startswith(prefix + "module."):
-            state_dict[prefix + "module." + key[len(prefix):]] = state_dict.pop(key)
+    # The save hook strips exactly one "module.", so loading adds exactly one back, even to keys that
+    # already start with "module." (a wrapped DDP model, or a model whose child is called "module").
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        state_dict[prefix + "module." + key[len(prefix):]] = state_dict.pop(key)

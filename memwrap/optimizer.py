@@ -47,13 +47,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: float | None = None
         self._window_lrs: list[float] | None = None
         self._lr_warned = False
-        # Hook dicts of the base class, so register_step_pre_hook & co. work on the wrapper too.
-        self._optimizer_step_pre_hooks = {}
-        self._optimizer_step_post_hooks = {}
-        self._optimizer_state_dict_pre_hooks = {}
-        self._optimizer_state_dict_post_hooks = {}
-        self._optimizer_load_state_dict_pre_hooks = {}
-        self._optimizer_load_state_dict_post_hooks = {}
+        self._no_backward_warned = False
 
     # --- shared state -----------------------------------------------------------------
     @property
@@ -83,6 +77,25 @@ class WrappedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
 
+    # Step hooks belong on the inner optimizer: its step() runs exactly once per real update.
+    def register_step_pre_hook(self, hook: Any) -> Any:
+        return self.optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Any) -> Any:
+        return self.optimizer.register_step_post_hook(hook)
+
+    def register_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self.optimizer.register_state_dict_pre_hook(hook, prepend)
+
+    def register_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self.optimizer.register_state_dict_post_hook(hook, prepend)
+
+    def register_load_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self.optimizer.register_load_state_dict_pre_hook(hook, prepend)
+
+    def register_load_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> Any:
+        return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
+
     def __repr__(self) -> str:
         return f"WrappedOptimizer(accumulate={self.gate.accumulate}, {self.optimizer!r})"
 
@@ -101,6 +114,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
                 "and backward passes belong to your loop. Call optimizer.step() without arguments."
             )
         self.did_update = False
+        self._check_backward_seen()
         closes = self.gate.tick()
         self._check_lr_unchanged(first_in_window=self.gate.micro_step == 1)
         if not closes:
@@ -150,6 +164,20 @@ class WrappedOptimizer(torch.optim.Optimizer):
             return True
         self.last_grad_norm = float(norm)
         return bool(torch.isfinite(norm))
+
+    def _check_backward_seen(self) -> None:
+        # Every step() counts a micro-batch; one without a backward through the wrapped model (step()
+        # called twice per batch) would silently shorten the window.
+        seen, self.gate.backward_seen = self.gate.backward_seen, False
+        if seen or self._no_backward_warned or self.gate.accumulate == 1:
+            return
+        self._no_backward_warned = True
+        warnings.warn(
+            "optimizer.step() was called without a backward pass through the wrapped model since the previous "
+            "step(); every step() counts one micro-batch, so the accumulation window closes early. Fix: call "
+            "optimizer.step() exactly once per micro-batch, after loss.backward().",
+            stacklevel=3,
+        )
 
     def _check_lr_unchanged(self, first_in_window: bool) -> None:
         # LRs are recorded after the window's first micro-batch (a wrapped scheduler has stepped by
@@ -212,7 +240,10 @@ class WrappedOptimizer(torch.optim.Optimizer):
 
 
 class WrappedScheduler:
-    """Steps the inner LR scheduler only after a real, non-skipped update of its optimizer.
+    """Steps the inner LR scheduler only when its optimizer made a real, non-skipped update since the last step.
+
+    Called every micro-batch, it steps once per update; called once per epoch (StepLR per epoch,
+    ReduceLROnPlateau), it steps if the epoch made at least one update, whichever micro-batch closed it.
 
     Example:
         >>> import memwrap, torch
@@ -224,9 +255,11 @@ class WrappedScheduler:
     def __init__(self, scheduler: Any, optimizer: WrappedOptimizer):
         self.scheduler = scheduler
         self.optimizer = optimizer
+        self.updates_seen = optimizer.updates
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if self.optimizer.did_update:
+        if self.optimizer.updates > self.updates_seen:
+            self.updates_seen = self.optimizer.updates
             self.scheduler.step(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -235,7 +268,12 @@ class WrappedScheduler:
         return getattr(self.scheduler, name)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
+        return {"scheduler": self.scheduler.state_dict(), "updates_seen": self.updates_seen}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state_dict)
+        if "updates_seen" not in state_dict:  # a plain scheduler's state_dict
+            self.scheduler.load_state_dict(state_dict)
+            self.updates_seen = self.optimizer.updates
+            return
+        self.scheduler.load_state_dict(state_dict["scheduler"])
+        self.updates_seen = state_dict["updates_seen"]

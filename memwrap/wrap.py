@@ -155,11 +155,38 @@ def _classify(objects: Iterable[Any]) -> dict[str, list[Any]]:
 
 
 def _check_pairing(opts: Options, model: Any, optimizer: Any, kinds: dict[str, list[Any]]) -> None:
-    if optimizer is None and model is not None and (opts.accumulate > 1 or opts.precision == "fp16"):
+    if (optimizer is None) != (model is None) and (opts.accumulate > 1 or opts.precision == "fp16"):
         raise TypeError(
-            f"accumulate={opts.accumulate} / precision={opts.precision!r} needs the optimizer in the same wrap() "
-            "call as the model: the model weights gradients and the optimizer steps once per window. "
+            f"accumulate={opts.accumulate} / precision={opts.precision!r} needs the model and the optimizer in the "
+            "same wrap() call: the model weights gradients and the optimizer steps once per window. "
             "Fix: model, optimizer = memwrap.wrap(model, optimizer, ...)."
+        )
+    if opts.count_items is not None and not kinds["loader"]:
+        raise TypeError(
+            "count_items weights micro-batches by their item counts, which the wrapped loader reads one window ahead; "
+            "no loader was given. Fix: memwrap.wrap(model, optimizer, loader, count_items=...)."
+        )
+    for loader in kinds["loader"]:
+        if iter(loader) is loader:
+            warnings.warn(
+                f"the data loader is a one-shot iterator ({type(loader).__name__}): it is exhausted after one pass, so "
+                "a second epoch over the wrapped loader yields nothing. Fix: pass a re-iterable (a DataLoader, a "
+                "list, or an object whose __iter__ starts over).",
+                stacklevel=3,
+            )
+    if model is not None and opts.precision == "fp16":
+        half = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype == torch.float16]
+        if half:
+            raise ValueError(
+                f"precision='fp16' keeps fp32 master weights and scales the loss, but parameter {half[0]!r} is already "
+                "fp16 (model.half()?), and fp16 gradients cannot be unscaled. Fix: keep the parameters in fp32 (autocast "
+                "runs the maths in fp16), or use precision='bf16'."
+            )
+    if model is not None and opts.checkpoint not in (None, False) and hasattr(model, "_orig_mod"):
+        raise ValueError(
+            "checkpoint= on a torch.compile'd model: torch's non-reentrant checkpoint fails under torch.compile "
+            "(recomputed values get different metadata). Fix: drop checkpoint= or compile after training setup "
+            "without checkpointing; see docs/checkpointing.md."
         )
     if opts.optim is not None and optimizer is None:
         raise TypeError(

@@ -3,11 +3,15 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from memwrap.memory import estimate
+from memwrap.memory.depth import checkpoint_layout, extrapolation_depths
 from memwrap.memory.estimate import trace_config
+from memwrap.memory.trace import find_stack
 from memwrap.memory.measure import measure_peak
 from memwrap.module import WrappedModule
 from memwrap.models import GPT, GPTConfig, build_preset, lm_loss, preset_batch
@@ -104,6 +108,73 @@ def test_extrapolation_equals_the_full_trace(options):
     assert peak_fast.bytes == peak_full.bytes
     assert fast.flops == full.flops and fast.state == full.state
     assert max(s.host for s in fast.segments.values()) == max(s.host for s in full.segments.values())
+
+
+def first_three_blocks(name, module):
+    return name.startswith("transformer.h.") and name.count(".") == 2 and int(name.rsplit(".", 1)[1]) < 3
+
+
+def odd_blocks(name, module):
+    return name.startswith("transformer.h.") and name.count(".") == 2 and int(name.rsplit(".", 1)[1]) % 2 == 1
+
+
+# Checkpointed sets that are not a period-1 pattern: every-2 on an odd depth (the last block is
+# checkpointed in the full model but would not be in an even-depth trace), a position-dependent
+# callable (only a full trace is exact) and a periodic one (extrapolated with period 2).
+@pytest.mark.parametrize("n_layer,options,method", [
+    (9, {"checkpoint": "every-2"}, "extrapolated from traces with 3 and 5 of 9"),
+    (10, {"checkpoint": "every-3", "precision": "bf16"}, "extrapolated from traces with 4 and 7 of 10"),
+    (8, {"checkpoint": first_three_blocks}, "full trace"),
+    (8, {"checkpoint": odd_blocks}, "extrapolated from traces with 2 and 4 of 8"),
+])
+def test_extrapolation_only_where_the_checkpoint_pattern_repeats(n_layer, options, method):
+    model = small_gpt(n_layer=n_layer, n_embd=64, vocab=256, block=32)
+    batch = lm_batch(2, 32, 256)
+    full = trace_config(model, lambda: batch, None, options, "adamw", extrapolate=False)
+    auto = trace_config(model, lambda: batch, None, options, "adamw", extrapolate="auto")
+    assert auto.method.startswith(method)
+    peak_full = max(full.segments.values(), key=lambda s: s.total)
+    peak_auto = max(auto.segments.values(), key=lambda s: s.total)
+    assert peak_auto.bytes == peak_full.bytes
+    assert auto.flops == full.flops and auto.state == full.state
+
+
+@pytest.mark.parametrize("options", [{"checkpoint": "every-2"}, {"checkpoint": first_three_blocks}])
+def test_pattern_dependent_checkpointing_within_5_percent_of_the_measured_peak(options):
+    cfg = dict(n_layer=9, n_embd=64, vocab=256, block=32)
+    batch = lm_batch(2, 32, 256)
+    torch.manual_seed(0)
+    est = estimate(lambda: small_gpt(**cfg), batch, **options)
+    measured = measure_peak(lambda: small_gpt(**cfg), batch, **options)
+    assert abs(est.peak - measured["peak"]) <= 0.05 * measured["peak"], (est.peak, measured, est.method)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.lin(x).relu()
+
+
+@settings(max_examples=40, deadline=None)
+@given(length=st.integers(2, 24), every=st.integers(1, 5), checkpointing=st.booleans())
+def test_extrapolation_depths_align_with_the_pattern(length, every, checkpointing):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(*[Block() for _ in range(length)]))
+    stack = find_stack(model, min_length=2)
+    options = {"checkpoint": f"every-{every}"} if checkpointing else {}
+    depths = extrapolation_depths(model, stack, options)
+    period = min(every, length) if checkpointing else 1  # every-k checkpoints blocks 0, k, 2k, ...
+    a0 = max(2 if checkpointing else 1, period)
+    if a0 + (length - a0) % period + period >= length:
+        assert depths is None
+    else:
+        a, b = depths
+        assert b - a == period and (length - a) % period == 0 and a >= a0 and b < length
+    blocks = checkpoint_layout(model, stack, options)[1]
+    assert [bool(blk) for blk in blocks] == [checkpointing and i % every == 0 for i in range(length)]
 
 
 def test_flops_match_flop_counter_on_a_real_step_and_include_recompute():

@@ -37,4 +37,4 @@ def test_resume_in_new_process_is_exact(tmp_path, uninterrupted, precision, stop
         assert torch.equal(resumed["model"][key], value), key
     assert resumed["optimizer"]["counters"] == expected["optimizer"]["counters"]
     assert resumed["optimizer"]["gate"] == expected["optimizer"]["gate"]
-    assert resumed["scheduler"]["last_epoch"] == expected["scheduler"]["last_epoch"]
+    assert resumed["scheduler"] == expected["scheduler"]

@@ -206,7 +206,7 @@ def test_error_conflicting_hf_alias():
 
 
 def test_error_accumulate_without_optimizer():
-    with pytest.raises(TypeError, match="needs the optimizer in the same wrap"):
+    with pytest.raises(TypeError, match="needs the model and the optimizer in the same wrap"):
         memwrap.wrap(net(), accumulate=4)
 
 
@@ -301,3 +301,155 @@ def test_training_in_eval_mode_still_weights_gradients():
         o.step()
     assert o.updates == 1
     assert max_rel_err([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()]) < 1e-6
+
+
+# --- review findings: each pins a defect that once slipped through --------------------------
+
+def test_compiled_wrapped_model_keeps_per_micro_batch_weights():
+    """Weights change between micro-batches (a partial last window); torch.compile must not bake the first one in."""
+    gen = torch.Generator().manual_seed(4)
+    batches = [torch.randn(3, 4, generator=gen) for _ in range(6)]  # windows of 4 and 2
+    model = net()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for window in (batches[:4], batches[4:]):
+        ref(torch.cat(window)).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    m, o, loader = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, accumulate=4)
+    compiled = torch.compile(m, backend="aot_eager")
+    for x in loader:
+        compiled(x).pow(2).mean().backward()
+        o.step()
+        o.zero_grad()
+    assert o.updates == 2
+    assert max_rel_err(model.parameters(), ref.parameters()) < 1e-6
+
+
+def test_state_dict_round_trip_when_a_child_is_called_module():
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = torch.nn.Linear(2, 2)
+
+    model = Outer()
+    m = memwrap.wrap(model)
+    keys = list(m.state_dict())
+    assert keys == list(model.state_dict()) == ["module.weight", "module.bias"]
+    other = Outer()
+    m.load_state_dict(other.state_dict())
+    assert torch.equal(model.module.weight, other.module.weight)
+
+
+def test_state_dict_round_trip_under_ddp(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(net())
+        m, _ = memwrap.wrap(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), accumulate=2)
+        state = m.state_dict()
+        assert list(state) == list(ddp.state_dict())
+        fresh = net(1)
+        m.load_state_dict({f"module.{k}": v for k, v in fresh.state_dict().items()})
+        assert torch.equal(ddp.module[0].weight, fresh[0].weight)
+        m.load_state_dict(state)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("wrap_loader", [False, True])
+def test_per_epoch_scheduler_steps_when_the_epoch_made_an_update(wrap_loader):
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    data = [torch.randn(2, 4) for _ in range(10)]  # 10 batches, accumulate=4: the epoch ends mid-window
+    if wrap_loader:
+        m, o, s, data = memwrap.wrap(model, opt, sched, data, accumulate=4)
+    else:
+        m, o, s = memwrap.wrap(model, opt, sched, accumulate=4)
+    lrs = []
+    for _ in range(3):
+        for x in data:
+            m(x).sum().backward()
+            o.step()
+            o.zero_grad()
+        s.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    assert lrs == [0.5, 0.25, 0.125]
+
+
+def test_scheduler_state_round_trips_with_its_update_count():
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    m, o, s = memwrap.wrap(model, opt, torch.optim.lr_scheduler.StepLR(opt, 1, 0.5), accumulate=2)
+    for _ in range(4):
+        m(torch.randn(2, 4)).sum().backward()
+        o.step()
+        s.step()
+        o.zero_grad()
+    state = s.state_dict()
+    assert state["updates_seen"] == 2 and state["scheduler"]["last_epoch"] == 2
+
+
+def test_step_hooks_registered_on_the_wrapper_fire_once_per_update():
+    model = net()
+    m, o = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=3)
+    calls = []
+    o.register_step_pre_hook(lambda opt, args, kwargs: calls.append("pre"))
+    o.register_step_post_hook(lambda opt, args, kwargs: calls.append("post"))
+    for _ in range(6):
+        m(torch.randn(2, 4)).sum().backward()
+        o.step()
+        o.zero_grad()
+    assert calls == ["pre", "post", "pre", "post"]
+
+
+def test_options_from_drops_the_default_optim_of_training_arguments():
+    @dataclasses.dataclass
+    class Args:  # shaped like TrainingArguments: optim always has a value, its default means plain AdamW
+        gradient_accumulation_steps: int = 1
+        optim: str = "adamw_torch"
+
+    assert "optim" not in memwrap.options_from(Args(gradient_accumulation_steps=4))
+    assert memwrap.options_from(Args(optim="adamw_bnb_8bit"))["optim"] == "adamw_bnb_8bit"
+
+
+def test_error_count_items_without_loader():
+    model = net()
+    with pytest.raises(TypeError, match="count_items .* no loader was given"):
+        memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2, count_items=len)
+
+
+def test_error_accumulate_with_optimizer_but_no_model():
+    model = net()
+    with pytest.raises(TypeError, match="needs the model and the optimizer in the"):
+        memwrap.wrap(torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2)
+
+
+def test_error_fp16_with_half_parameters():
+    model = net().half()
+    with pytest.raises(ValueError, match="already fp16.*precision='bf16'"):
+        memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16")
+
+
+def test_error_checkpoint_on_compiled_model():
+    model = torch.compile(net(), backend="aot_eager")
+    with pytest.raises(ValueError, match="torch.compile"):
+        memwrap.wrap(model, checkpoint="auto")
+
+
+def test_warning_step_twice_per_batch():
+    model = net()
+    m, o = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=4)
+    with pytest.warns(UserWarning, match="without a backward pass"):
+        for _ in range(2):
+            m(torch.randn(2, 4)).sum().backward()
+            o.step()
+            o.step()
+
+
+def test_warning_one_shot_iterator_loader():
+    model = net()
+    with pytest.warns(UserWarning, match="one-shot iterator"):
+        memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), (x for x in [torch.randn(2, 4)]), accumulate=2)

@@ -1,13 +1,21 @@
 """``estimate()``: the memory of one training step under memwrap options, measured on fake tensors.
 
 Big models are not traced whole. A model whose bulk is a stack of ``L`` identical blocks is
-traced with the stack truncated to ``a`` and ``a + k`` blocks (``k`` = the checkpoint period,
-1 unless ``every-k``; ``a`` = 1 without checkpointing, else ``max(2, k)``), and every segment maximum is extrapolated linearly to ``L`` blocks, per
-category. This is exact, not a fit: inside a segment the memory at block ``j`` of ``L`` is
-``a + b*j + c*L`` and its maximum sits at the first or the last block for every ``L`` (the sign of
-``b`` does not depend on ``L``), so each segment maximum is affine in ``L``; the step's peak is
-the largest of the extrapolated segment maxima. ``tests/test_estimate.py`` checks it against
-full traces.
+traced with the stack truncated to ``a`` and ``b = a + p`` blocks, and every segment maximum is
+extrapolated linearly to ``L`` blocks, per category (FLOPs and ops too). ``p`` is the period of
+the checkpointed pattern along the stack (1 without checkpointing or when every block is treated
+alike, ``k`` for ``every-k``), ``a`` the smallest depth >= ``max(1 or 2, p)`` with
+``(L - a) % p == 0`` (see :mod:`memwrap.memory.depth`).
+
+This is exact, not a fit, under one condition: the model at each depth ``a + m*p`` is the full
+model's checkpointing pattern cut there (the checkpointed blocks repeat with period ``p``, the
+same modules outside the stack are checkpointed, and ``L - a`` is a multiple of ``p``). Then
+inside a segment the memory at block ``j`` of ``L`` is ``a + b*j + c*L`` and its maximum sits at the
+first or the last block for every ``L`` (the sign of ``b`` does not depend on ``L``), so each
+segment maximum is affine in ``L``; the step's peak is the largest of the extrapolated segment
+maxima. The condition is checked on the model itself (the policy's selection with the stack cut,
+nothing traced); when it fails (e.g. a policy checkpointing "the first 3 blocks") the model is
+traced whole. ``tests/test_estimate.py`` checks extrapolations against full traces.
 """
 from __future__ import annotations
 
@@ -21,6 +29,7 @@ import torch
 from torch import nn
 
 from memwrap.memory.budget import format_bytes
+from memwrap.memory.depth import extrapolation_depths
 from memwrap.memory.trace import CATEGORIES, Segment, Stack, TraceResult, find_stack, run_trace
 
 __all__ = ["Estimate", "estimate", "Trace", "trace_config", "derive", "resolve_model", "resolve_batch"]
@@ -86,19 +95,10 @@ def _optimizer_factory(name: str | None):
     return lambda fm: create_optimizer(name, fm.parameters(), model=fm)
 
 
-def _periods(options: dict[str, Any]) -> int:
-    ckpt = options.get("checkpoint")
-    if ckpt is None or ckpt is False:
-        return 1
-    from memwrap.checkpointing import parse_checkpoint_option
-
-    how = parse_checkpoint_option(ckpt) or {}
-    return int(how.get("every", 1))
-
-
 def _lin(va: int, vb: int, a: int, b: int, n: int) -> int:
-    return va + ((vb - va) * (n - a)) // (b - a) if (vb - va) * (n - a) % (b - a) == 0 else \
-        round(va + (vb - va) * (n - a) / (b - a))
+    # extrapolation_depths makes (n - a) a multiple of (b - a): integer arithmetic, no rounding.
+    assert (n - a) % (b - a) == 0, (a, b, n)
+    return va + (vb - va) * ((n - a) // (b - a))
 
 
 def _rename(name: str, stack: Stack | None, traced: int | None, target: int | None) -> str:
@@ -149,13 +149,12 @@ def trace_config(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Calla
     start = time.perf_counter()
     if stack == "auto":
         stack = find_stack(model)
-    k = _periods(options)
-    # checkpoint="auto" needs two blocks to recognise a stack, hence depth >= 2 when checkpointing.
-    a = 1 if options.get("checkpoint") in (None, False) else max(2, k)
-    b = a + k
     factory = _optimizer_factory(optimizer)
-    use = extrapolate is True or (extrapolate == "auto" and stack is not None and stack.length > b)
-    if use and stack is not None and stack.length > b:
+    depths = None
+    if extrapolate in (True, "auto") and stack is not None:
+        depths = extrapolation_depths(model, stack, options)
+    if depths is not None:
+        a, b = depths
         try:
             ta = run_trace(model, make_batch, loss_fn, options, factory, stack=stack, depth=a)
             tb = run_trace(model, make_batch, loss_fn, options, factory, stack=stack, depth=b)

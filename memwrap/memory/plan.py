@@ -77,13 +77,15 @@ class Candidate:
     seconds: float
     terms: dict[str, float]
     cost: float = 1.0  # seconds relative to the cheapest candidate
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # other wrap options traced, e.g. max_grad_norm
 
     @property
     def options(self) -> dict[str, Any]:
-        """Keyword arguments for ``memwrap.wrap(model, optimizer, **options)``."""
+        """Keyword arguments for ``memwrap.wrap(model, optimizer, **options)``: all the options traced."""
         out: dict[str, Any] = {"precision": self.precision, "accumulate": self.accumulate}
         if self.checkpoint is not None:
             out["checkpoint"] = self.checkpoint
+        out.update(self.extra)
         out["optim"] = self.optim
         return out
 
@@ -328,5 +330,7 @@ def _candidate(spec: dict, options: dict, est: Estimate, margin: Margin, budget:
                        grad_bytes=est.state["gradients"], state_bytes=est.state["optimizer_state"],
                        offloaded=est.offloaded)
     extra = margin.of(est.peak)
+    others = {k: v for k, v in options.items() if k not in ("precision", "accumulate", "checkpoint", "optim")}
     return Candidate(spec["micro_batch"], options["accumulate"], spec["precision"], spec["checkpoint"],
-                     spec["optim"], est, extra, est.peak + extra <= budget, sum(terms.values()), terms)
+                     spec["optim"], est, extra, est.peak + extra <= budget, sum(terms.values()), terms,
+                     extra=others)

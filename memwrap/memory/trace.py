@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from memwrap.memory.batch import default_loss, split_batch
 
-__all__ = ["CATEGORIES", "Stack", "TraceResult", "find_stack", "fake_model", "run_trace", "split_batch", "default_loss"]  # noqa: the last two re-exported from batch.py
+__all__ = ["CATEGORIES", "Stack", "TraceResult", "find_stack", "fake_model", "truncated", "run_trace", "split_batch", "default_loss"]  # noqa: the last two re-exported from batch.py
 
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries", "other")
 _CAT = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers", _MemRefType.GRAD: "gradients",
@@ -88,15 +88,7 @@ def fake_model(model: nn.Module, mode, device: torch.device, stack: Stack | None
     The real storage is never read or copied (the fakes only share shapes, strides and dtypes).
     With ``stack`` and ``depth`` the copy keeps only the first ``depth`` blocks of the stack.
     """
-    parent = attr = original = None
-    if stack is not None and depth is not None and depth != stack.length:
-        prefix, _, attr = stack.name.rpartition(".")
-        parent = model.get_submodule(prefix) if prefix else model
-        original = getattr(parent, attr)
-        kids = list(original.children())[:depth]
-        short = nn.Sequential(*kids) if isinstance(original, nn.Sequential) else nn.ModuleList(kids)
-        parent._modules[attr] = short
-    try:
+    with truncated(model, stack, depth):
         memo: dict[int, Any] = {}
         for t in itertools.chain(model.parameters(), model.buffers()):
             if id(t) in memo:
@@ -105,9 +97,31 @@ def fake_model(model: nn.Module, mode, device: torch.device, stack: Stack | None
                 ft = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
             memo[id(t)] = nn.Parameter(ft, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else ft
         return copy.deepcopy(model, memo)
+
+
+@contextlib.contextmanager
+def truncated(model: nn.Module, stack: Stack | None, depth: int | None):
+    """Within the block, ``model``'s stack holds only its first ``depth`` blocks (nothing is copied).
+
+    Example:
+        >>> from memwrap.models import build_preset
+        >>> m = build_preset("gpt2-tiny")
+        >>> with truncated(m, find_stack(m, 2), 1):
+        ...     len(m.transformer.h)
+        1
+    """
+    if stack is None or depth is None or depth == stack.length:
+        yield model
+        return
+    prefix, _, attr = stack.name.rpartition(".")
+    parent = model.get_submodule(prefix) if prefix else model
+    original = getattr(parent, attr)
+    kids = list(original.children())[:depth]
+    parent._modules[attr] = nn.Sequential(*kids) if isinstance(original, nn.Sequential) else nn.ModuleList(kids)
+    try:
+        yield model
     finally:
-        if parent is not None:
-            parent._modules[attr] = original
+        parent._modules[attr] = original
 
 
 # ----------------------------------------------------------------------------- the tracker
