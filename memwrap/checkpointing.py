@@ -176,7 +176,11 @@ def is_checkpointed(module: nn.Module) -> bool:
     return _MOD_ATTR in module.__dict__
 
 
-def _resolve(policy, every, mode, offload) -> tuple[object, int, str, bool]:
+def resolve_policy(policy, every, mode, offload) -> tuple[object, int, str, bool]:
+    """Resolve a plugin-named policy to its policy and options, exactly as apply_checkpointing does.
+
+    Example: ``resolve_policy("auto", 1, "full", False) == ("auto", 1, "full", False)``.
+    """
     if isinstance(policy, str) and policy != "auto":
         named = plugin_policies()
         if policy not in named:
@@ -220,7 +224,7 @@ def apply_checkpointing(model: nn.Module, policy="auto", *, every: int = 1, mode
         raise TypeError(f"apply_checkpointing needs an nn.Module, got {type(model).__name__}")
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not valid.{closest_hint(mode, MODES)} Use one of {MODES}")
-    policy_r, every, mode, offload = _resolve(policy, every, mode, offload)
+    policy_r, every, mode, offload = resolve_policy(policy, every, mode, offload)
     chosen = select_modules(model, policy_r)[::every]
     report = CheckpointReport(modules=[n for n, _ in chosen], policy=_describe(policy), mode=mode, every=every,
                               offload=offload, classes=dict(Counter(type(m).__name__ for _, m in chosen)))

@@ -1,5 +1,6 @@
 """`memwrap plan`: table, code lines, --json schema, --plot, factory targets, budget parsing errors."""
 import argparse
+import dataclasses
 import json
 import re
 import textwrap
@@ -77,14 +78,83 @@ def test_module_target_and_bad_targets(capsys):
                   "--budget", "80GiB", "--checkpoints", "none", "--precisions", "bf16", "--optimizers", "adamw",
                   "--micro-batches", "2", "--quiet"])
     assert rc == 0 and "accumulate=1" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="package.module:factory"):
-        run_cli(["memwrap.models", "--input-shape", "2,16", "--budget", "1GiB"])
-    with pytest.raises(SystemExit, match="Did you mean 'GPT'"):
-        run_cli(["memwrap.models:GTP", "--input-shape", "2,16", "--budget", "1GiB"])
-    with pytest.raises(SystemExit, match="input-shape"):
-        run_cli(["memwrap.models:GPT", "--budget", "1GiB"])
-    with pytest.raises(SystemExit, match="Valid presets"):
-        run_cli(["--preset", "llama-8b", "--budget", "1GiB"])
+    bad = [(["memwrap.models", "--input-shape", "2,16"], "package.module:factory"),
+           (["memwrap.models:GTP", "--input-shape", "2,16"], "Did you mean 'GPT'"),
+           (["memwrap.models:GPT"], "input-shape"),
+           (["no_such_module_xyz:build", "--input-shape", "2,16"], "cannot import 'no_such_module_xyz'"),
+           (["--preset", "llama-8b"], "Valid presets"),
+           (["--preset", "llama-tiny", "--input-shape", "2,16"], "--input-shape apply to a model factory"),
+           (["--preset", "llama-tiny", "--input-dtype", "long"], "--input-dtype apply to a model factory"),
+           (["--preset", "llama-tiny", "--batch", "0"], "--batch 0 is not valid"),
+           (["memwrap.models:GPT", "--input-shape", "2,16", "--batch", "-2"], "--batch -2 is not valid"),
+           (["--preset", "llama-tiny", "--top", "0"], "--top 0 is not valid"),
+           (["--preset", "llama-tiny", "--micro-batches", "a,b"], "--micro-batches"),
+           ]
+    for argv, message in bad:  # every input error: exit status 2 and the problem on stderr
+        assert run_cli([*argv, "--budget", "1GiB", "--quiet"]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("memwrap plan: ") and message in err, (argv, err)
+
+
+def test_module_target_from_the_current_directory(tmp_path, monkeypatch, capsys):
+    (tmp_path / "cwd_model_pkg_test.py").write_text(textwrap.dedent("""
+        import torch
+        def build():
+            return torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    """))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", ".", str(tmp_path))])
+    before = list(__import__("sys").path)
+    rc = run_cli(["cwd_model_pkg_test:build", "--input-shape", "4,16", "--budget", "2GiB", "--micro-batches", "4",
+                  *FAST])
+    assert rc == 0 and "best:" in capsys.readouterr().out
+    assert __import__("sys").path == before  # the current directory is searched for that import only
+
+
+def test_margin_flags_are_validated_as_margins(capsys):
+    base = ["--preset", "llama-tiny", "--batch", "1", "--seq", "16", "--budget", "4GiB", "--micro-batches", "1",
+            "--precisions", "fp32", "--checkpoints", "none", "--optimizers", "adamw", "--quiet"]
+    for flags in (["--margin=1.5"], ["--margin=-0.1"], ["--margin-bytes=lots"], ["--margin-bytes=-1GiB"]):
+        assert run_cli([*base, *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert "margin" in err and "budget" not in err, (flags, err)
+    for zero in ("0B", "0GiB", "0"):
+        assert run_cli([*base, "--margin", "0", "--margin-bytes", zero, "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert data["margin"] == {"fraction": 0.0, "fixed": 0}
+        assert data["best"]["margin"] == 0 and data["best"]["required"] == data["best"]["peak"]
+
+
+def test_top_limits_the_table_on_a_terminal_too(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)
+    rc = run_cli(["--preset", "llama-tiny", "--batch", "2", "--seq", "32", "--budget", "4GiB", "--top", "3", *FAST])
+    out = capsys.readouterr().out
+    assert rc == 0
+    rows = [line for line in out.splitlines() if re.match(r"^\W*\d+\W+\d+x\d+ ", line)]
+    assert len(rows) == 3, out
+    assert "5 more" in out
+
+
+def test_plot_draws_every_candidate(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from memwrap.memory import plan
+    from memwrap.memory.report import plot_plan
+    from memwrap.models import build_preset, preset_batch
+
+    p = plan(lambda: build_preset("llama-tiny"), lambda mb: preset_batch("llama-tiny", mb, 16), budget="4GiB",
+             global_batch=4, micro_batches=(4, 1), precisions=("fp32",), checkpoints=(None, "full"),
+             optimizers=("adamw", "adamw_8bit"))
+    many = dataclasses.replace(p, candidates=p.candidates * 6)  # 48 bars: more than the old cut of 40
+    titles, ticks = [], []
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title", lambda self, t, *a, **k: titles.append(t))
+    real = matplotlib.axes.Axes.set_xticklabels
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_xticklabels",
+                        lambda self, labels, *a, **k: (ticks.append(list(labels)), real(self, labels, *a, **k))[1])
+    plot_plan(many, str(tmp_path / "all.png"))
+    assert len(ticks[-1]) == 48 and "all 48 candidates" in titles[-1]
+    plot_plan(many, str(tmp_path / "some.png"), limit=10)
+    assert len(ticks[-1]) == 10 and "first 10 of 48 candidates" in titles[-1]
 
 
 def test_bad_budget_exits_2_with_accepted_forms(capsys):

@@ -75,6 +75,12 @@ def test_unknown_device_is_rejected():
         MemoryMonitor(device="meta")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_cuda_device_without_cuda_is_rejected():
+    with pytest.raises(ValueError, match="CUDA is not available.*device='cpu'"):
+        MemoryMonitor(device="cuda")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_records_allocator_peaks():
     m = MemoryMonitor(every=1, device="cuda", log=None)

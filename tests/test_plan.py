@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 import memwrap
 from memwrap.memory import estimate, plan
+from memwrap.memory.budget import format_bytes
 from memwrap.memory.plan import Margin
 from memwrap.models import build_preset, lm_loss, preset_batch
 
@@ -28,7 +29,7 @@ def grid():
     """One plan over a small grid; its estimates are reused with other budgets below."""
     return plan(factory, make_batch, budget="1GiB", global_batch=4, micro_batches=(4, 1),
                 precisions=("bf16", "fp32"), checkpoints=(None, "full"), optimizers=("adamw", "adamw_8bit"),
-                margin=0.0)
+                margin=(0.0, 0))
 
 
 def rerank(p, budget):
@@ -85,7 +86,7 @@ def test_no_fit_verdict_names_the_smallest_peak_and_what_dominates(grid):
     dominant = p.smallest.estimate.dominant
     assert dominant == max(p.smallest.estimate.breakdown, key=p.smallest.estimate.breakdown.get)
     assert "nothing fits" in p.verdict and dominant in p.verdict
-    assert f"{smallest / 2**30:.2f}" in p.verdict.replace(" GiB", "") or "MiB" in p.verdict
+    assert f"the smallest peak is {format_bytes(smallest)} " in p.verdict
     _check_ranking(p)
     assert [c.required for c in p.candidates] == sorted(c.required for c in p.candidates)
 
@@ -131,3 +132,39 @@ def test_plan_serialises(grid):
     assert d["fits"] is True and len(d["candidates"]) == len(grid.candidates)
     assert d["best"]["options"] == grid.best.options
     assert "budget" in str(grid) and grid.best.label in str(grid)
+
+
+def test_margin_alone_not_fitting_is_named_in_the_verdict(grid):
+    low = min(grid.candidates, key=lambda c: c.estimate.peak)
+    p = grid.with_budget(low.estimate.peak, margin=(0.0, 1))  # the peak fits exactly; the margin does not
+    assert not p.fits
+    assert "the margin is what does not fit" in p.verdict.lower() and "--margin" in p.verdict
+    assert low.label in p.verdict and format_bytes(low.estimate.peak) in p.verdict
+    assert "dominated by" not in p.verdict
+    assert "dominated by" in grid.with_budget(low.estimate.peak - 1, margin=(0.0, 1)).verdict
+
+
+def test_margin_parse_keeps_the_default_fixed_part_and_validates():
+    assert Margin.parse(0.1) == Margin(0.1, Margin().fixed) and Margin().fixed == 2**30
+    assert Margin.parse((0.1, "0B")) == Margin.parse((0.1, "0GiB")) == Margin.parse((0.1, 0)) == Margin(0.1, 0)
+    assert Margin.parse((0.05, "512MiB")) == Margin(0.05, 512 * 2**20)
+    for bad in (1.0, -0.1, 1.5, float("nan"), (1.2, "1GiB"), (-0.5, 0)):
+        with pytest.raises(ValueError, match="margin fraction"):
+            Margin.parse(bad)
+    with pytest.raises(ValueError, match="margin") as info:
+        Margin.parse((0.1, "-1GiB"))
+    assert "budget" not in str(info.value)
+    with pytest.raises(ValueError, match="margin fraction"):
+        Margin(2.0, 0)
+
+
+def test_extra_wrap_options_reach_the_pasted_code_and_the_json():
+    import json
+
+    p = plan(factory, make_batch, budget="4GiB", global_batch=2, micro_batches=(1,), precisions=("fp32",),
+             checkpoints=(None,), optimizers=("adamw",), max_grad_norm=0.5)
+    best = p.best
+    assert best.options == {"precision": "fp32", "accumulate": 2, "max_grad_norm": 0.5, "optim": "adamw"}
+    assert best.estimate.options["max_grad_norm"] == 0.5  # the option the trace ran with
+    assert "max_grad_norm=0.5" in p.code()
+    assert json.loads(json.dumps(p.to_dict(), default=repr))["best"]["options"]["max_grad_norm"] == 0.5

@@ -33,6 +33,10 @@ def split_batch(batch: Any) -> tuple[tuple, dict, Any]:
         if isinstance(inputs, (tuple, list)):
             return tuple(inputs), {}, targets
         return (inputs,), {}, targets
+    if isinstance(batch, (tuple, list)):
+        raise TypeError(f"a {type(batch).__name__} batch must have exactly 2 items, (inputs, targets); got "
+                        f"{len(batch)} item(s). Fix: pack several inputs as ((x1, x2), targets) or a dict of "
+                        f"keyword arguments, and pass targets=None when there are none.")
     if isinstance(batch, dict):
         return (), dict(batch), batch
     if isinstance(batch, torch.Tensor):

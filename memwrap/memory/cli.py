@@ -17,9 +17,13 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["register", "run", "load_factory"]
+__all__ = ["register", "run", "load_factory", "PlanInputError"]
 
 CHECKPOINT_NAMES = ("none", "selective", "full", "offload", "every-<k>")
+
+
+class PlanInputError(ValueError):
+    """Bad command-line input (model target, preset, shapes): ``memwrap plan`` prints it and exits 2."""
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -37,8 +41,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=None, help="sequence length for text presets (image side for resnet)")
     p.add_argument("--input-shape", help="shape of one global batch for a factory model, e.g. 64,3,224,224 "
                                          "(first number = batch)")
-    p.add_argument("--input-dtype", default="float32", choices=("float32", "long"),
-                   help="dtype of --input-shape inputs (long: token ids in [0, --input-high))")
+    p.add_argument("--input-dtype", default=None, choices=("float32", "long"),
+                   help="dtype of --input-shape inputs (default float32; long: token ids in [0, --input-high))")
     p.add_argument("--input-high", type=int, default=32000, help="upper bound of random token ids (--input-dtype long)")
     p.add_argument("--micro-batches", help="comma-separated micro-batch sizes to try (default: powers of two)")
     p.add_argument("--precisions", default="bf16,fp32", help="comma-separated: fp32, tf32, bf16, fp16")
@@ -47,7 +51,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--optimizers", default=None, help="comma-separated optimizer names (default: installed ones)")
     p.add_argument("--max-grad-norm", type=float, default=None, help="gradient clipping, as in wrap()")
     p.add_argument("--margin", type=float, default=0.08, help="margin as a fraction of the peak (default 0.08)")
-    p.add_argument("--margin-bytes", default="1GiB", help="fixed margin: CUDA context, workspaces (default 1GiB)")
+    p.add_argument("--margin-bytes", default="1GiB",
+                   help="fixed margin: CUDA context, workspaces (default 1GiB; 0 or 0B for none)")
     p.add_argument("--top", type=int, default=None, help="show only the first N candidates in the table")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write the plan as JSON to PATH, or to stdout (instead of the table) without PATH")
@@ -60,33 +65,41 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 def load_factory(target: str):
     """Import ``'pkg.mod:fn'`` or ``'path/file.py:fn'`` and return ``fn`` (or a module instance).
 
+    A module is looked up in the current directory first, as ``python -m`` would. Raises
+    :class:`PlanInputError` naming the problem.
+
     Example:
         >>> load_factory("memwrap.models:GPT").__name__
         'GPT'
     """
     if ":" not in target:
-        raise SystemExit(f"memwrap plan: model target {target!r} needs the form 'package.module:factory' or "
-                         f"'path/to/file.py:factory'.")
+        raise PlanInputError(f"model target {target!r} needs the form 'package.module:factory' or "
+                             f"'path/to/file.py:factory'.")
     where, _, name = target.rpartition(":")
     if where.endswith(".py") or os.sep in where:
         if not os.path.exists(where):
-            raise SystemExit(f"memwrap plan: file {where!r} does not exist.")
+            raise PlanInputError(f"file {where!r} does not exist.")
         spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(where))[0], where)
         module = importlib.util.module_from_spec(spec)
         sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
         spec.loader.exec_module(module)
     else:
+        # The console script's sys.path[0] is its bin/ folder, not the current directory.
+        cwd = os.getcwd()
+        sys.path.insert(0, cwd)
         try:
             module = importlib.import_module(where)
         except ImportError as exc:
-            raise SystemExit(f"memwrap plan: cannot import {where!r}: {exc}") from None
+            raise PlanInputError(f"cannot import {where!r}: {exc}") from None
+        finally:
+            sys.path.remove(cwd)
     try:
         return getattr(module, name)
     except AttributeError:
         from memwrap.errors import closest_hint
 
         names = [n for n in dir(module) if not n.startswith("_")]
-        raise SystemExit(f"memwrap plan: {where!r} has no attribute {name!r}.{closest_hint(name, names)}") from None
+        raise PlanInputError(f"{where!r} has no attribute {name!r}.{closest_hint(name, names)}") from None
 
 
 def _list(text: str | None) -> list[str] | None:
@@ -100,28 +113,38 @@ def _checkpoints(text: str) -> list[Any]:
 def _model_and_batches(args):
     import torch
 
+    if args.top is not None and args.top < 1:
+        raise PlanInputError(f"--top {args.top} is not valid; give the number of candidates to show, >= 1.")
+    if args.batch is not None and args.batch < 1:
+        raise PlanInputError(f"--batch {args.batch} is not valid; give the samples per optimizer update, >= 1.")
     if args.preset and args.target:
-        raise SystemExit("memwrap plan: give either --preset or a model factory, not both.")
+        raise PlanInputError("give either --preset or a model factory, not both.")
     if args.preset:
         from memwrap.models import get_preset, preset_batch
 
+        given = [f for f, v in (("--input-shape", args.input_shape), ("--input-dtype", args.input_dtype)) if v]
+        if given:
+            raise PlanInputError(f"{' and '.join(given)} apply to a model factory, not to --preset (a preset builds "
+                                 f"its own inputs): drop {' and '.join(given)}, and use --batch and --seq.")
         try:
             spec = get_preset(args.preset)
         except ValueError as exc:
-            raise SystemExit(f"memwrap plan: {exc}") from None
-        batch = args.batch or 1
+            raise PlanInputError(str(exc)) from None
+        batch = 1 if args.batch is None else args.batch
         seq = args.seq
         return spec.factory, (lambda mb: preset_batch(args.preset, mb, seq)), batch, spec.loss
     if not args.target:
-        raise SystemExit("memwrap plan: give a model: --preset NAME or 'package.module:factory'.")
+        raise PlanInputError("give a model: --preset NAME or 'package.module:factory'.")
     if not args.input_shape:
-        raise SystemExit("memwrap plan: a factory model needs --input-shape, e.g. --input-shape 64,3,224,224.")
+        raise PlanInputError("a factory model needs --input-shape, e.g. --input-shape 64,3,224,224.")
     try:
         shape = [int(s) for s in args.input_shape.split(",")]
     except ValueError:
-        raise SystemExit(f"memwrap plan: --input-shape {args.input_shape!r} must be comma-separated integers.") from None
+        raise PlanInputError(f"--input-shape {args.input_shape!r} must be comma-separated integers.") from None
+    if any(d < 1 for d in shape):
+        raise PlanInputError(f"--input-shape {args.input_shape!r} must hold sizes >= 1.")
     factory = load_factory(args.target)
-    batch = args.batch or shape[0]
+    batch = shape[0] if args.batch is None else args.batch
     rest = shape[1:]
     if args.input_dtype == "long":
         make = lambda mb: torch.randint(0, args.input_high, (mb, *rest))  # noqa: E731
@@ -166,14 +189,17 @@ def run(args: argparse.Namespace) -> int:
     from memwrap.memory.plan import Margin, plan
     from memwrap.memory.report import plan_table, plot_plan, print_plan
 
-    try:
+    try:  # every input error exits 2, as argparse's own do
         budget = parse_budget(args.budget)
-        margin = Margin(args.margin, parse_budget(args.margin_bytes) if args.margin_bytes not in ("0", "") else 0)
+        margin = Margin.parse((args.margin, args.margin_bytes))  # the same validation as plan(margin=...)
+        factory, make_batch, global_batch, loss = _model_and_batches(args)
+        try:
+            micro = [int(m) for m in _list(args.micro_batches)] if args.micro_batches else None
+        except ValueError:
+            raise PlanInputError(f"--micro-batches {args.micro_batches!r} must be comma-separated integers.") from None
     except ValueError as exc:
         print(f"memwrap plan: {exc}", file=sys.stderr)
         return 2
-    factory, make_batch, global_batch, loss = _model_and_batches(args)
-    micro = [int(m) for m in _list(args.micro_batches)] if args.micro_batches else None
     progress = _Progress(args.quiet or args.json == "-")
     try:
         result = plan(factory, make_batch, budget=budget, global_batch=global_batch, loss_fn=_loss(loss),
@@ -195,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as fh:
             json.dump(result.to_dict(), fh, indent=1, default=repr)
     if sys.stdout.isatty():
-        print_plan(result)
+        print_plan(result, limit=args.top)
     else:
         print(plan_table(result, limit=args.top))
     return 0

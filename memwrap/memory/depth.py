@@ -32,10 +32,10 @@ def _selection(options: dict[str, Any]) -> tuple[Any, int] | None:
     if ckpt is None or ckpt is False:
         return None
     from memwrap.checkpoint_policies import parse_checkpoint_option
-    from memwrap.checkpointing import _resolve  # plugin names resolved exactly as apply_checkpointing does
+    from memwrap.checkpointing import resolve_policy  # plugin names resolved exactly as apply_checkpointing does
 
     how = parse_checkpoint_option(ckpt)
-    policy, every, _, _ = _resolve(how["policy"], how.get("every", 1), how.get("mode", "full"),
+    policy, every, _, _ = resolve_policy(how["policy"], how.get("every", 1), how.get("mode", "full"),
                                    how.get("offload", False))
     return policy, every
 

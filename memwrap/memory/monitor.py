@@ -95,6 +95,11 @@ class MemoryMonitor:
         if self.device.type not in ("cuda", "cpu"):
             raise ValueError(f"MemoryMonitor reads CUDA allocator statistics or process memory; device "
                              f"{str(self.device)!r} is neither. Fix: device='cuda' or device='cpu'.")
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            # Otherwise every record would read zeros and look like a model that uses no memory.
+            raise ValueError(f"MemoryMonitor(device={str(self.device)!r}): CUDA is not available in this process "
+                             f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}). Fix: "
+                             f"device='cpu' (process memory) or device=None (CUDA when available, else CPU).")
         self.every = every
         self.log = log
         self.records: list[dict[str, Any]] = []
@@ -110,8 +115,6 @@ class MemoryMonitor:
 
     def _read(self) -> dict[str, int]:
         if self.device.type == "cuda":
-            if not torch.cuda.is_available():
-                return {"peak_allocated": 0, "peak_reserved": 0, "allocated": 0}
             return {"peak_allocated": torch.cuda.max_memory_allocated(self.device),
                     "peak_reserved": torch.cuda.max_memory_reserved(self.device),
                     "allocated": torch.cuda.memory_allocated(self.device)}

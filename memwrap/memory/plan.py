@@ -39,27 +39,49 @@ class Margin:
     It covers what no tensor trace sees: the CUDA context (300-600 MiB, outside
     ``max_memory_allocated``), the caching allocator's fragmentation and cached blocks
     (reserved - allocated, typically 5-10% of the peak) and library workspaces (cuBLAS, cuDNN,
-    NCCL). See docs/planner.md for the measurements behind the defaults.
+    NCCL). See docs/planner.md for the measurements behind the defaults. ``0 <= fraction < 1``
+    and ``fixed >= 0`` are checked on construction.
+
+    Example:
+        >>> Margin.parse(0.1)          # a bare fraction keeps the default fixed part
+        Margin(fraction=0.1, fixed=1073741824)
+        >>> Margin.parse((0.1, "0B"))  # (fraction, size): both explicit
+        Margin(fraction=0.1, fixed=0)
     """
 
     fraction: float = 0.08
     fixed: int = 1 << 30
+
+    def __post_init__(self):
+        f = self.fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < 1:
+            raise ValueError(f"margin fraction {f!r} is not valid; give a fraction of the peak in [0, 1), "
+                             f"e.g. 0.08 (8% of the peak; --margin on the command line).")
+        if isinstance(self.fixed, bool) or not isinstance(self.fixed, int) or self.fixed < 0:
+            raise ValueError(f"margin fixed part {self.fixed!r} is not valid; give a byte count >= 0 "
+                             f"(or a size such as '1GiB' or '0B' to Margin.parse; --margin-bytes on the command line).")
+        object.__setattr__(self, "fraction", float(f))
 
     def of(self, peak: int) -> int:
         return int(self.fraction * peak) + int(self.fixed)
 
     @classmethod
     def parse(cls, value: Any) -> Margin:
+        """A :class:`Margin` from ``None`` (the default), a fraction (the default fixed part is
+        kept), a ``(fraction, size)`` pair (size: bytes or a string such as ``"1GiB"`` or ``"0B"``),
+        or a :class:`Margin`. Raises ``ValueError`` naming the margin for anything else."""
         if value is None:
             return cls()
         if isinstance(value, Margin):
             return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1:
-            return cls(float(value), 0)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return cls(value)
         if isinstance(value, tuple) and len(value) == 2:
-            return cls(float(value[0]), parse_budget(value[1]) if value[1] else 0)
-        raise ValueError(f"margin={value!r} is not valid; give a fraction of the peak in [0, 1) (e.g. 0.1), a "
-                         f"(fraction, bytes) pair such as (0.08, '1GiB'), or a memwrap.memory.plan.Margin.")
+            fixed = value[1]
+            return cls(value[0], 0 if fixed in (None, "") else parse_budget(fixed, what="margin", allow_zero=True))
+        raise ValueError(f"margin={value!r} is not valid; give a fraction of the peak in [0, 1) (e.g. 0.1, which "
+                         f"keeps the default 1 GiB fixed part), a (fraction, size) pair such as (0.08, '1GiB') or "
+                         f"(0.1, 0), or a memwrap.memory.plan.Margin.")
 
 
 @dataclasses.dataclass
@@ -140,6 +162,14 @@ class Plan:
                     f"= {format_bytes(b.required)} of {format_bytes(self.budget)}; predicted "
                     f"{b.seconds:.3g} s/update on the reference GPU ({sum(c.fits for c in self.candidates)} of "
                     f"{len(self.candidates)} candidates fit).")
+        low = min(self.candidates, key=lambda c: c.estimate.peak)
+        if low.estimate.peak <= self.budget:
+            return (f"nothing fits in {format_bytes(self.budget)} once the margin is added: {low.label} has a peak of "
+                    f"{format_bytes(low.estimate.peak)}, which fits, but the margin ({self.margin.fraction:.0%} of the "
+                    f"peak + {format_bytes(self.margin.fixed)} = {format_bytes(low.margin)}) brings it to "
+                    f"{format_bytes(low.required)}. The margin is what does not fit: lower it (--margin / "
+                    f"--margin-bytes, or plan(margin=...)) if you know the CUDA context and allocator overheads of "
+                    f"your setup, or free memory.")
         s = self.smallest
         cat = s.estimate.dominant
         advice = {
@@ -238,6 +268,9 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
     ``micro_batch``, ``precision``, ``checkpoint``, ``optim``) the search is the product of the
     micro-batch sizes (powers of two dividing ``global_batch``, and ``global_batch``),
     ``precisions``, ``checkpoints`` and ``optimizers`` (installed ones by default).
+    ``margin`` is kept free beyond each predicted peak (see :class:`Margin`): None for the default
+    (8% of the peak + 1 GiB), a fraction such as 0.1 (the 1 GiB fixed part is kept), a
+    ``(fraction, size)`` pair such as ``(0.1, "512MiB")`` or ``(0, 0)``, or a :class:`Margin`.
     ``progress(done, total, label)`` is called as traces finish.
 
     Example:

@@ -61,31 +61,36 @@ def _skipped_lines(plan: Any) -> list[str]:
     return [f"skipped {len(plan.skipped)} candidate(s) that cannot run on this model: " + "; ".join(reasons)]
 
 
-def print_plan(plan: Any, console: Any = None) -> None:
-    """Print the plan with rich when it is installed, as plain text otherwise."""
+def print_plan(plan: Any, console: Any = None, limit: int | None = None) -> None:
+    """Print the plan with rich when it is installed, as plain text otherwise (the first ``limit`` rows)."""
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        print(plan_table(plan))
+        print(plan_table(plan, limit=limit))
         return
     console = console or Console()
     table = Table(title=f"memwrap plan: budget {gib(plan.budget)} GiB, global batch {plan.global_batch}, "
                         f"margin {plan.margin.fraction:.0%} + {gib(plan.margin.fixed)} GiB, {plan.seconds:.1f} s")
     for i, col in enumerate(TABLE_COLUMNS):
         table.add_column(col, justify="left" if i == 1 else "right")
-    for row in plan_rows(plan):
+    for row in plan_rows(plan)[:limit]:
         style = None if row[9] == "yes" else "dim"
         table.add_row(*row, style=style)
     console.print(table)
+    if limit is not None and len(plan.candidates) > limit:
+        console.print(f"... {len(plan.candidates) - limit} more", markup=False, highlight=False)
     for line in _skipped_lines(plan):
         console.print(line, markup=False)
     console.print(plan.verdict)
     console.print(plan.code(), markup=False, highlight=False)
 
 
-def plot_plan(plan: Any, path: str, limit: int = 40) -> str:
-    """Stacked bars of the peak by category per candidate, the margin on top, and the budget line."""
+def plot_plan(plan: Any, path: str, limit: int | None = None) -> str:
+    """Stacked bars of the peak by category per candidate, the margin on top, and the budget line.
+
+    All candidates are drawn unless ``limit`` is given; the title then says how many are shown.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -111,7 +116,9 @@ def plot_plan(plan: Any, path: str, limit: int = 40) -> str:
     ax.set_xticks(list(x))
     ax.set_xticklabels([("* " if c.fits else "") + c.label for c in cands], rotation=75, ha="right", fontsize=7)
     ax.set_ylabel("GiB at the peak")
-    ax.set_title("memwrap plan: predicted peak by category (* = fits), ranked by predicted step time")
+    shown = (f"first {len(cands)} of {len(plan.candidates)} candidates" if len(cands) < len(plan.candidates)
+             else f"all {len(cands)} candidates")
+    ax.set_title(f"memwrap plan: predicted peak by category (* = fits), ranked by predicted step time; {shown}")
     ax.legend(fontsize=7, loc="upper left", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -8,7 +8,8 @@ second one on the gradients of the earlier ones are alive while activations are 
 Memory is recorded per *segment*: (micro-batch, phase, position relative to the repeated block
 stack). Each segment keeps the snapshot (bytes per category) at its own maximum. For a stack of
 identical blocks every segment maximum is an affine function of the stack depth, which is what
-makes extrapolation from two truncated depths exact (see :mod:`memwrap.memory.estimate`).
+makes extrapolation from two truncated depths exact when the checkpointed blocks repeat along
+the stack (see :mod:`memwrap.memory.estimate` and :mod:`memwrap.memory.depth`).
 """
 from __future__ import annotations
 
