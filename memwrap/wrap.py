@@ -211,8 +211,12 @@ def _check_pairing(opts: Options, model: Any, optimizer: Any, kinds: dict[str, l
 
 
 def _device_type(model: Any, optimizer: Any) -> str:
-    params = model.parameters() if model is not None else (p for g in optimizer.param_groups for p in g["params"]) if optimizer is not None else iter(())
-    param = next(iter(params), None)
+    if model is not None:
+        param = next(model.parameters(), None)
+    elif optimizer is not None:
+        param = next((p for g in optimizer.param_groups for p in g["params"]), None)
+    else:
+        param = None
     return param.device.type if param is not None else "cpu"
 
 
