@@ -135,9 +135,9 @@ def _checkpoints(text: str) -> list[Any]:
 
 
 def _micro_batches(batch: int) -> list[int]:
-    # Down to a quarter of the global batch: enough to show the trade-off, and each size costs a trace.
-    sizes = [m for m in range(1, batch + 1) if batch % m == 0 and (m & (m - 1) == 0 or m == batch)]
-    return [m for m in sizes if m * 4 >= batch] or [batch]
+    # Powers of two down to 1 (plus the whole batch): each size costs one trace, and the smallest
+    # micro-batches are what make tight budgets fit.
+    return [m for m in range(1, batch + 1) if batch % m == 0 and (m & (m - 1) == 0 or m == batch)]
 
 
 def _budget(text: str, plain_peak: int) -> tuple[int, str]:
@@ -258,7 +258,8 @@ def train(label: str, factory, state: dict, options: dict[str, Any], accumulate:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Execute ``memwrap demo``; returns 0, 1 if a measured peak is off its prediction by > 10%, 2 on bad input."""
+    """Execute ``memwrap demo``; returns 0, 1 if a measured peak is off its prediction by > 10%, 2 on bad input,
+    3 if nothing fits the budget."""
     from memwrap.demo_corpus import CORPUS, corpus_tokens
     from memwrap.demo_report import Progress, plan_summary, plot_demo, results_table
     from memwrap.memory import estimate, format_bytes, measure_peak, plan
@@ -311,8 +312,13 @@ def run(args: argparse.Namespace) -> int:
     say(plan_summary(the_plan))
     best = the_plan.best
     if best is None:
-        say(f"\nnothing fits in {format_bytes(budget)}; try a larger --budget (e.g. 80%).")
-        return 1
+        need = the_plan.smallest.required
+        pct = int(100 * need / plain_est.peak)
+        while _budget(f"{pct}%", plain_est.peak)[0] < need:  # the budget is rounded: find the first that holds
+            pct += 1
+        say(f"\nnothing fits in {format_bytes(budget)}: the smallest configuration needs {format_bytes(need)} "
+            f"with the demo's 5% margin. Fix: --budget {pct}% or more.")
+        return 3
     say("")
 
     # 2. train plain and planned from the same weights on the same batches.
