@@ -30,25 +30,50 @@ def ckpt_memory(ctx):
                 {"claimed": 75, "value": round(100 * best_total, 1), "unit": "% less peak memory (checkpointing)"})
 
 
-def _gpu_or(ctx, check, key, claimed_lo, claimed_hi, setting, what, proxy=None):
+# How far a GPU step-time figure may sit outside the claimed range and still count as agreeing with it: the
+# medians of gpu_check.py's interleaved repetitions still move by a few per cent between runs.
+NOISE = {"x": 0.1, "%": 3.0}  # speed-ups: 0.1x; overheads: 3 percentage points
+
+
+def _gpu_or(ctx, check, key, claimed_lo, claimed_hi, setting, what, proxy=None, better="higher"):
+    """A claim about GPU step time, judged from gpu_check.py's JSON (``ctx.gpu``) when it holds ``check``.
+
+    ``better`` says which way is good ("higher" for a speed-up, "lower" for an overhead), so that a figure
+    beyond the claimed range on the good side reads "holds: better than claimed", not "does not hold".
+    """
+    raw = ((ctx.gpu or {}).get("checks") or {}).get(check) or {}
+    if raw.get("status") == "failed":
+        return _row(setting, f"not measured: gpu_check.py ran {check!r} on {ctx.gpu.get('device', 'a GPU')} and it "
+                    f"failed ({raw.get('error', 'no error recorded')})", "needs a GPU to measure",
+                    f"a GPU step-time ratio ({what}); the GPU run failed, see its JSON")
     g = ctx.gpu_check(check)
-    if g is None or g.get(key) is None:
+    if g is None or g.get(key) is None or (ctx.gpu or {}).get("dry_run"):
         return _row(setting + (f"; CPU proxy: {proxy}" if proxy else ""), "not measured: no GPU result yet "
                     "(run benchmarks/gpu_check.py on a GPU)", "needs a GPU to measure",
                     f"a GPU step-time ratio ({what}); CPU timings do not transfer to GPU kernels")
-    v = float(g[key])
-    ok = claimed_lo <= v <= claimed_hi
-    return _row(setting + f"; measured on {ctx.gpu.get('device', 'GPU')}", f"{what}: {v:.2f}",
-                "holds" if ok else "does not hold", f"measured {v:.2f} against the claimed {claimed_lo}-{claimed_hi}"
-                + ("" if ok else " in this setting"), {"claimed": (claimed_lo + claimed_hi) / 2, "value": v,
-                                                       "unit": what})
+    v, band = float(g[key]), NOISE["%" if "%" in what else "x"]
+    sign = 1 if better == "higher" else -1
+    low, high = (claimed_lo, claimed_hi) if sign == 1 else (claimed_hi, claimed_lo)  # worst and best end
+    if sign * (v - low) < -band:
+        kind, how = "does not hold", "worse than claimed"
+    elif sign * (v - high) > band:
+        kind, how = "holds", "better than claimed"
+    else:
+        kind, how = "holds", "within the claimed range" if claimed_lo <= v <= claimed_hi else "within the noise band"
+    reps = f", median of {g['reps']} interleaved repetitions" if g.get("reps") else ""
+    return _row(f"{g.get('setting') or setting} (gpu_check.py {check}{reps}); measured on "
+                f"{ctx.gpu.get('device', 'GPU')}", f"{what}: {v:.2f}", kind,
+                f"{how}: measured {v:.2f} against the claimed {claimed_lo}-{claimed_hi} ({better} is better; noise "
+                f"band +/-{band:g})" + (" in this setting" if kind == "does not hold" else ""),
+                {"claimed": (claimed_lo + claimed_hi) / 2, "value": v, "unit": what, "noise_band": band,
+                 "better": better, "verdict": how})
 
 
 def ckpt_time(ctx):
     none, full = ctx.est("gpt2", 8, 1024), ctx.est("gpt2", 8, 1024, checkpoint="full")
     proxy = f"recompute adds {pct(full.flops / none.flops - 1)} FLOPs (traced)"
     return _gpu_or(ctx, "checkpoint_overhead", "overhead_full_pct", 20, 30, "gpt2-style model, checkpoint='full' vs "
-                   "none, same batch", "extra step time, %", proxy)
+                   "none, same batch", "extra step time, %", proxy, better="lower")
 
 
 def amp_memory(ctx):
@@ -72,7 +97,7 @@ def amp_speed(ctx):
 
 def accum_time(ctx):
     return _gpu_or(ctx, "accumulation_overhead", "overhead_resnet50_pct", 15, 30, "resnet50, batch 32 vs 4 "
-                   "micro-batches of 8, same global batch", "extra step time, %")
+                   "micro-batches of 8, same global batch", "extra step time, %", better="lower")
 
 
 def fp16_small_grads(ctx):

@@ -4,11 +4,13 @@ Run on one Hopper-class GPU (H100/H200; any recent NVIDIA GPU works), in under 8
 
     python benchmarks/gpu_check.py                 # writes docs/benchmarks/gpu_check.json
     python benchmarks/gpu_check.py --dry-run       # same code paths on CPU at tiny sizes (no GPU needed)
+    PYTHONUNBUFFERED=1 timeout 500 python3 benchmarks/gpu_check.py --out $OUT 2>&1 | tee $OUT/log  # lent device
 
 Needs only torch (and memwrap from this checkout). bitsandbytes is optional: without it the 8-bit
 check is recorded as skipped, with the reason (see docs/gpu.md to carry a wheel). Every check is
 independent: a failure is recorded and the others still run. The exit status is 1 if a
-correctness check failed, else 0. ``--dry-run`` writes ``gpu_check_dry_run.json`` so that it never
+correctness check failed, else 0. The JSON is rewritten after every check (``complete``/``pending`` say
+how far it got), so a run cut off by a timeout keeps its results. ``--dry-run`` writes ``gpu_check_dry_run.json`` so that it never
 replaces real GPU results (``benchmarks/seed_claims.py`` reads ``gpu_check.json``).
 """
 from __future__ import annotations
@@ -28,11 +30,16 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-import memwrap  # noqa: E402
-from memwrap.models import build_preset, lm_loss, preset_batch  # noqa: E402
+try:  # a broken checkout must still leave a JSON that says why (main() records it)
+    import memwrap  # noqa: E402
+    from memwrap.models import build_preset, lm_loss, preset_batch  # noqa: E402
+    IMPORT_ERROR = None
+except Exception as _exc:  # noqa: BLE001
+    IMPORT_ERROR = f"{type(_exc).__name__}: {_exc}\n{traceback.format_exc(limit=6)}"
 
 OUT = pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 TOLERANCE = 0.10  # planner prediction vs measured peak
+WARMUP = 2  # untimed updates per configuration: allocator, cuBLAS/cuDNN autotuning, lazy optimizer state
 
 
 class Setup:
@@ -72,23 +79,70 @@ def loss_of(outputs, targets):
     return lm_loss(outputs, targets) if outputs.dim() == 3 else torch.nn.functional.cross_entropy(outputs.float(), targets)
 
 
+def update(model, optimizer, micro_batches: list) -> torch.Tensor:
+    """One update over the micro-batches (one window = all of them); the mean loss, left on the device.
+
+    The loss is summed on the device so that the loop never waits for the GPU inside an update; the caller
+    syncs once per update, as the hand-written loop it is compared with does.
+    """
+    total = torch.zeros((), device=micro_batches[0][0].device)
+    for x, y in micro_batches:
+        loss = loss_of(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        total += loss.detach().float()
+    return total / len(micro_batches)
+
+
 def train(model, optimizer, micro_batches: list, updates: int, setup: Setup) -> tuple[list[float], float]:
-    """``updates`` updates over the micro-batches (one window = all of them); losses and median s/update."""
+    """``updates`` updates; their losses and the median s/update (first one left out)."""
     losses, times = [], []
     for _ in range(updates):
         setup.sync()
         t0 = time.perf_counter()
-        total = 0.0
-        for x, y in micro_batches:
-            loss = loss_of(model(x), y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            total += float(loss.detach())
-        setup.sync()
+        losses.append(float(update(model, optimizer, micro_batches)))  # the one host sync per update
         times.append(time.perf_counter() - t0)
-        losses.append(total / len(micro_batches))
     return losses, statistics.median(times[1:] or times)
+
+
+def peak_of(s: Setup, fn: Callable[[], Any]) -> tuple[Any, int | None]:
+    """``fn()`` and its own CUDA peak: max_memory_allocated above what was alive before it (None on CPU).
+
+    Subtracting the baseline keeps memory left by earlier configurations (their weights, optimizer state)
+    out of this one's figure.
+    """
+    if s.device.type != "cuda":
+        return fn(), None
+    s.sync()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    s.sync()
+    return out, torch.cuda.max_memory_allocated() - base
+
+
+def compare(s: Setup, runners: dict[str, Callable[[], Any]]) -> dict:
+    """Seconds per update of each runner (one call = one update): ``WARMUP`` untimed updates each, then
+    ``s.reps`` rounds that time every runner once in turn (interleaved, so drift in clocks or temperature
+    hits all alike); the median per runner, and ``<name>_peak`` from the last warm-up update (state exists).
+    """
+    out: dict[str, Any] = {}
+    for name, run in runners.items():
+        for _ in range(WARMUP):
+            _, peak = peak_of(s, lambda: float(run()))
+        if peak is not None:
+            out[f"{name}_peak"] = peak
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(s.reps):
+        for name, run in runners.items():
+            s.sync()
+            t0 = time.perf_counter()
+            float(run())  # the one host sync per update
+            times[name].append(time.perf_counter() - t0)
+    out.update({f"{name}_s": statistics.median(t) for name, t in times.items()})
+    out["reps"], out["warmup"] = s.reps, WARMUP
+    return out
 
 
 def wrapped(setup: Setup, name: str | None = None, lr: float = 1e-4, **options):
@@ -171,24 +225,24 @@ def _grads(model) -> torch.Tensor:
 
 
 def check_offload(s: Setup) -> dict:
-    data = s.batches(1, s.batch)[0]
-    res = {}
-    grads = {}
+    x, y = s.batches(1, s.batch)[0]
+    res, grads = {}, {}
     for policy in (None, "full", "offload"):
+        key = policy or "none"
         model = s.model()
         wm = memwrap.wrap(model, checkpoint=policy) if policy else model
+        _, res[f"peak_{key}"] = peak_of(s, lambda: loss_of(wm(x), y).backward())
+        grads[key] = _grads(model).cpu()  # kept off the GPU so the next pass's peak does not carry it
+        del model, wm  # nor this pass's weights and gradients
         if s.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        loss_of(wm(data[0]), data[1]).backward()
-        s.sync()
-        grads[policy or "none"] = _grads(model)
-        res[f"peak_{policy or 'none'}"] = torch.cuda.max_memory_allocated() if s.device.type == "cuda" else None
+            torch.cuda.empty_cache()
     for k in ("full", "offload"):
         err = float((grads[k] - grads["none"]).norm() / grads["none"].norm())
         res[f"grad_rel_err_{k}"] = err
         expect(err < 1e-5, f"checkpoint={k} changed the gradients (relative error {err})")
     if s.device.type == "cuda":
-        expect(res["peak_offload"] <= res["peak_full"], "offloading did not lower the peak below full checkpointing")
+        expect(res["peak_offload"] <= res["peak_full"], f"offloading did not lower the peak below full checkpointing "
+               f"({res['peak_offload']} B vs {res['peak_full']} B above the weights)")
     return res
 
 
@@ -197,12 +251,13 @@ def check_planner_vs_cuda(s: Setup) -> dict:
 
     configs = [{}, {"precision": "bf16"}, {"accumulate": 4}, {"checkpoint": "full"},
                {"precision": "bf16", "accumulate": 4, "checkpoint": "full"}, {"checkpoint": "selective"}]
+    bnb_missing = None
     try:
         import bitsandbytes  # noqa: F401
 
         configs.append({"precision": "bf16", "optim": "adamw_8bit"})
-    except ImportError:
-        pass
+    except Exception as exc:  # noqa: BLE001  (a broken CUDA library raises more than ImportError)
+        bnb_missing = f"adamw_8bit row left out: {type(exc).__name__}: {exc}"
     rows, bad = [], []
     for opts in configs:
         micro = s.batch // opts.get("accumulate", 1)
@@ -215,22 +270,32 @@ def check_planner_vs_cuda(s: Setup) -> dict:
         if abs(ratio - 1) > TOLERANCE:
             bad.append((opts, round(ratio, 3)))
     expect(not bad, f"measured/predicted outside {TOLERANCE:.0%}: {bad}")
-    return {"rows": rows}
+    return {"rows": rows, **({"bnb_unavailable": bnb_missing} if bnb_missing else {})}
 
 
 # ----------------------------------------------------------------------------- timing (not correctness)
 
 def check_precision_step_time(s: Setup) -> dict:
     data = s.batches(1, s.batch)
-    out = {}
+    before = torch.get_float32_matmul_precision()
+    models = {}
     for mode in ("fp32", "tf32", "bf16", "fp16"):
-        torch.set_float32_matmul_precision("highest")  # fp32 means fp32, not TF32
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model, opt = wrapped(s, precision=mode)
-        _, out[f"{mode}_s"] = train(model, opt, data, s.reps, s)
-        memwrap.unwrap(model)
-    torch.set_float32_matmul_precision("highest")
+            models[mode] = wrapped(s, precision=mode)
+
+    def runner(mode):
+        def run():
+            # the matmul precision is process-wide and tf32's wrap set it: fp32 means fp32, not TF32
+            torch.set_float32_matmul_precision("high" if mode == "tf32" else "highest")
+            return update(*models[mode], data)
+        return run
+
+    try:
+        out = compare(s, {mode: runner(mode) for mode in models})
+    finally:
+        memwrap.unwrap(models["tf32"][0])
+        torch.set_float32_matmul_precision(before)
     out.update(speedup_bf16_vs_fp32=out["fp32_s"] / out["bf16_s"], speedup_bf16_vs_tf32=out["tf32_s"] / out["bf16_s"],
                speedup_fp16_vs_fp32=out["fp32_s"] / out["fp16_s"], setting=f"{s.gpt}, {s.batch} x {s.seq}, AdamW")
     return out
@@ -238,14 +303,9 @@ def check_precision_step_time(s: Setup) -> dict:
 
 def check_checkpoint_overhead(s: Setup) -> dict:
     data = s.batches(1, s.batch)
-    out = {}
-    for policy in (None, "full", "selective"):
-        model, opt = wrapped(s, precision="bf16", **({"checkpoint": policy} if policy else {}))
-        if s.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        _, out[f"{policy or 'none'}_s"] = train(model, opt, data, s.reps, s)
-        if s.device.type == "cuda":
-            out[f"{policy or 'none'}_peak"] = torch.cuda.max_memory_allocated()
+    models = {policy or "none": wrapped(s, precision="bf16", **({"checkpoint": policy} if policy else {}))
+              for policy in (None, "full", "selective")}
+    out = compare(s, {k: (lambda m=m, o=o: update(m, o, data)) for k, (m, o) in models.items()})
     out.update(overhead_full_pct=100 * (out["full_s"] / out["none_s"] - 1),
                overhead_selective_pct=100 * (out["selective_s"] / out["none_s"] - 1),
                setting=f"{s.gpt}, {s.batch} x {s.seq}, bf16, AdamW")
@@ -257,16 +317,19 @@ def check_accumulation_overhead(s: Setup) -> dict:
     for name, batch, n in (("resnet50", s.img_batch, 4), (s.gpt, s.batch, 4)):
         key = "resnet50" if name == "resnet50" else "gpt2"
         data = s.batches(1, batch, name=name)[0]
+        runners = {}
         for acc in (1, n):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # ResNet's BatchNorm under accumulation: known, timing only
                 model, opt = wrapped(s, name=name, accumulate=acc)
-            if s.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            _, out[f"{key}_x{acc}_s"] = train(model, opt, split(data, acc), s.reps, s)
-            if s.device.type == "cuda":
-                out[f"{key}_x{acc}_peak"] = torch.cuda.max_memory_allocated()
+            runners[f"{key}_x{acc}"] = lambda m=model, o=opt, mb=split(data, acc): update(m, o, mb)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out.update(compare(s, runners))
         out[f"overhead_{key}_pct"] = 100 * (out[f"{key}_x{n}_s"] / out[f"{key}_x1_s"] - 1)
+        del runners, model, opt  # free this family before the next one
+        if s.device.type == "cuda":
+            torch.cuda.empty_cache()
     out["setting"] = f"resnet50 batch {s.img_batch} at {s.image}px and {s.gpt} {s.batch} x {s.seq}, fp32, 4 micro-batches"
     return out
 
@@ -276,30 +339,35 @@ def check_wrapped_vs_handwritten(s: Setup) -> dict:
     autocast = torch.autocast(s.device.type, dtype=torch.bfloat16)
     hand = s.model()
     hand_opt = memwrap.create_optimizer("adamw", hand, lr=1e-4)
-    ref_state = copy.deepcopy(hand.state_dict())
+    init = [p.detach().clone() for p in hand.parameters()]
+    model, opt = wrapped(s, precision="bf16", accumulate=4)
+    model.module.load_state_dict(hand.state_dict())
 
     def hand_update():
+        total = torch.zeros((), device=s.device)
         for x, y in data:  # nanoGPT-style: autocast forward, loss / N, step at the window's end
             with autocast:
                 logits = hand(x)
-            (lm_loss(logits, y) / len(data)).backward()
+            loss = lm_loss(logits, y) / len(data)
+            loss.backward()
+            total += loss.detach().float()
         hand_opt.step()
         hand_opt.zero_grad(set_to_none=True)
+        return total
 
-    times = []
-    for _ in range(s.reps):
-        s.sync()
-        t0 = time.perf_counter()
-        hand_update()
-        s.sync()
-        times.append(time.perf_counter() - t0)
-    hand_s = statistics.median(times[1:])
-    model, opt = wrapped(s, precision="bf16", accumulate=4)
-    model.module.load_state_dict(ref_state)
-    _, wrapped_s = train(model, opt, data, s.reps, s)
-    diff = max(float((a - b).detach().abs().max()) for a, b in zip(hand.parameters(), model.parameters()))
-    expect(diff < 1e-3, f"wrapped and hand-written loops diverged (max weight difference {diff})")
-    return {"hand_s": hand_s, "wrapped_s": wrapped_s, "ratio": wrapped_s / hand_s, "max_weight_diff": diff}
+    # both run WARMUP + reps updates on the same data, so their weights must agree afterwards
+    out = compare(s, {"hand": hand_update, "wrapped": lambda: update(model, opt, data)})
+    num = den = 0.0
+    for w0, h, w in zip(init, hand.parameters(), model.module.parameters()):
+        d_hand, d_wrapped = (h.detach() - w0).double(), (w.detach() - w0).double()
+        num += float((d_wrapped - d_hand).pow(2).sum())
+        den += float(d_hand.pow(2).sum())
+    rel = (num / den) ** 0.5 if den else float("inf")
+    diff = max(float((a - b).detach().abs().max()) for a, b in zip(hand.parameters(), model.module.parameters()))
+    # relative to the update itself: a max |w diff| is small even for a wrong loop when lr is small
+    expect(rel < 1e-2, f"wrapped and hand-written updates differ: ||dw_wrapped - dw_hand|| / ||dw_hand|| = {rel:.3g}")
+    out.update(ratio=out["wrapped_s"] / out["hand_s"], update_rel_diff=rel, max_weight_diff=diff)
+    return out
 
 
 CHECKS: dict[str, tuple[Callable[[Setup], dict], bool]] = {  # name -> (function, is a correctness check)
@@ -325,13 +393,29 @@ def environment(s: Setup) -> dict:
     return env
 
 
+def write(doc: dict, out: pathlib.Path, dry: bool) -> pathlib.Path:
+    """Write the JSON atomically (a run killed by a timeout keeps the last complete file)."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / ("gpu_check_dry_run.json" if dry else "gpu_check.json")
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=repr))
+    tmp.replace(path)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run every check; write the JSON; return 1 if a correctness check failed."""
+    """Run every check; write the JSON after each one; return 1 if a correctness check failed."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=pathlib.Path, default=OUT, help="output folder (default docs/benchmarks)")
     ap.add_argument("--dry-run", action="store_true", help="run the same code paths on CPU at tiny sizes")
     ap.add_argument("--only", default=None, help="comma-separated check names (default: all)")
     args = ap.parse_args(argv)
+    if IMPORT_ERROR is not None:
+        doc = {"benchmark": "gpu_check", "torch": torch.__version__, "python": platform.python_version(),
+               "dry_run": args.dry_run, "import_error": IMPORT_ERROR, "checks": {}, "failed": ["import"]}
+        path = write(doc, args.out, args.dry_run)
+        print(f"gpu_check: importing memwrap failed; recorded in {path}:\n{IMPORT_ERROR}", file=sys.stderr)
+        return 1
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: torch sees no CUDA device; run with --dry-run to exercise the code on CPU.", file=sys.stderr)
         return 2
@@ -341,7 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"gpu_check: unknown checks {unknown}; valid: {', '.join(CHECKS)}", file=sys.stderr)
         return 2
-    doc: dict[str, Any] = {"benchmark": "gpu_check", **environment(s), "checks": {}}
+    doc: dict[str, Any] = {"benchmark": "gpu_check", **environment(s), "checks": {}, "complete": False,
+                           "pending": list(names), "failed": []}
+    path = write(doc, args.out, s.dry)
     t_all = time.perf_counter()
     for name in names:
         fn, correctness = CHECKS[name]
@@ -357,14 +443,15 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
         result.update(status=status, correctness=correctness, seconds=round(time.perf_counter() - t0, 2))
         doc["checks"][name] = result
+        doc["pending"].remove(name)
+        doc["failed"] = [n for n, r in doc["checks"].items() if r["correctness"] and r["status"] == "failed"]
+        doc["seconds"] = round(time.perf_counter() - t_all, 1)
+        write(doc, args.out, s.dry)  # after every check: a timeout still leaves what ran
         print(f"[{time.perf_counter() - t_all:6.1f}s] {name:<24} {status:<8} "
               f"{result.get('error') or result.get('reason') or ''}", flush=True)
-    doc["seconds"] = round(time.perf_counter() - t_all, 1)
-    failed = [n for n, r in doc["checks"].items() if r["correctness"] and r["status"] == "failed"]
-    doc["failed"] = failed
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / ("gpu_check_dry_run.json" if s.dry else "gpu_check.json")
-    path.write_text(json.dumps(doc, indent=1, default=repr))
+    doc["complete"] = True
+    write(doc, args.out, s.dry)
+    failed = doc["failed"]
     print(f"wrote {path}; {len(failed)} correctness check(s) failed{': ' + ', '.join(failed) if failed else ''}")
     return 1 if failed else 0
 

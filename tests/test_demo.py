@@ -111,6 +111,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     checks = doc["checks"]
     assert checks["checkpoint_overhead"]["overhead_full_pct"] > -100
     assert checks["wrapped_vs_handwritten"]["max_weight_diff"] < 1e-3
+    assert checks["wrapped_vs_handwritten"]["update_rel_diff"] < 1e-2
+    assert doc["complete"] and doc["pending"] == []
     assert not (tmp_path / "gpu_check.json").exists()  # a dry run never poses as GPU results
 
 
@@ -120,12 +122,28 @@ def test_gpu_check_records_a_failure_and_goes_on(tmp_path, monkeypatch):
     def broken(setup):
         raise AssertionError("deliberately broken")
 
+    seen = {}
+
+    def peek(setup):  # what a run killed now, by a timeout, would leave on disk
+        seen.update(json.loads((tmp_path / "gpu_check_dry_run.json").read_text()))
+        return {}
+
     monkeypatch.setitem(gpu_check.CHECKS, "bf16", (broken, True))
+    monkeypatch.setitem(gpu_check.CHECKS, "tf32", (peek, True))
     rc = gpu_check.main(["--dry-run", "--out", str(tmp_path), "--only", "bf16,tf32"])
     doc = json.loads((tmp_path / "gpu_check_dry_run.json").read_text())
-    assert rc == 1 and doc["failed"] == ["bf16"]
+    assert rc == 1 and doc["failed"] == ["bf16"] and doc["complete"]
     assert doc["checks"]["tf32"]["status"] == "ok"
     assert "deliberately broken" in doc["checks"]["bf16"]["error"]
+    assert seen["failed"] == ["bf16"] and seen["pending"] == ["tf32"] and not seen["complete"]
+
+
+def test_gpu_check_records_an_import_failure(tmp_path, monkeypatch):
+    gpu_check = _load("gpu_check")
+    monkeypatch.setattr(gpu_check, "IMPORT_ERROR", "ImportError: no module named memwrap.models")
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 1
+    doc = json.loads((tmp_path / "gpu_check_dry_run.json").read_text())
+    assert doc["failed"] == ["import"] and "memwrap.models" in doc["import_error"]
 
 
 def test_seed_claims_fast_has_a_row_per_claim(tmp_path):
@@ -158,4 +176,16 @@ def test_seed_claims_time_rows_use_gpu_results():
     assert row["kind"] == "holds" and row["figures"]["value"] == 2.4 and "H200" in row["setting"]
     ctx.gpu["checks"]["precision_step_time"]["speedup_bf16_vs_fp32"] = 1.3
     assert rows_mod.amp_speed(ctx)["kind"] == "does not hold"
-    assert rows_mod.ckpt_time(ctx)["kind"] == "needs a GPU to measure"  # a failed check is not a measurement
+    ctx.gpu["checks"]["precision_step_time"]["speedup_bf16_vs_fp32"] = 3.5  # faster than claimed is not a miss
+    row = rows_mod.amp_speed(ctx)
+    assert row["kind"] == "holds" and row["verdict"].startswith("better than claimed")
+    ctx.gpu["checks"]["precision_step_time"]["speedup_bf16_vs_fp32"] = 1.95  # inside the 0.1x noise band
+    assert rows_mod.amp_speed(ctx)["verdict"].startswith("within the noise band")
+    failed = rows_mod.ckpt_time(ctx)
+    assert failed["kind"] == "needs a GPU to measure"  # a failed check is not a measurement
+    assert "failed" in failed["measured"] and "no GPU result" not in failed["measured"]
+    ctx.gpu["checks"]["checkpoint_overhead"] = {"status": "ok", "overhead_full_pct": 10.0, "setting": "gpt2, 8 x 512"}
+    row = rows_mod.ckpt_time(ctx)  # an overhead below the claimed 20-30% is better, not a miss
+    assert row["kind"] == "holds" and row["verdict"].startswith("better") and "gpt2, 8 x 512" in row["setting"]
+    ctx.gpu["checks"]["checkpoint_overhead"]["overhead_full_pct"] = 40.0
+    assert rows_mod.ckpt_time(ctx)["kind"] == "does not hold"
