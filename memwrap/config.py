@@ -37,11 +37,8 @@ class Options:
     def to_kwargs(self) -> dict[str, Any]:
         """The options that differ from the defaults, ready for ``wrap(**kwargs)``."""
         default = Options()
-        return {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if getattr(self, f.name) is not getattr(default, f.name) and getattr(self, f.name) != getattr(default, f.name)
-        }
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)}
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))
