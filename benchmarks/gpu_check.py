@@ -16,11 +16,8 @@ replaces real GPU results (``benchmarks/seed_claims.py`` reads ``gpu_check.json`
 from __future__ import annotations
 
 import argparse
-import copy
-import json
 import pathlib
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -32,134 +29,18 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 try:  # a broken checkout must still leave a JSON that says why (main() records it)
     import memwrap  # noqa: E402
-    from memwrap.models import build_preset, lm_loss, preset_batch  # noqa: E402
+    from memwrap.models import lm_loss, preset_batch  # noqa: E402
+    from gpu_common import (Setup, compare, environment, expect, grads_of, loss_of, outside_allocator,  # noqa: E402
+                            peak_of, split, suggest_margin, train, update, wrapped, write)
     IMPORT_ERROR = None
 except Exception as _exc:  # noqa: BLE001
     IMPORT_ERROR = f"{type(_exc).__name__}: {_exc}\n{traceback.format_exc(limit=6)}"
 
 OUT = pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
-TOLERANCE = 0.10  # planner prediction vs measured peak
-WARMUP = 2  # untimed updates per configuration: allocator, cuBLAS/cuDNN autotuning, lazy optimizer state
-
-
-class Setup:
-    """Sizes and device: real (GPU) or dry run (CPU, tiny)."""
-
-    def __init__(self, dry_run: bool):
-        self.dry = dry_run
-        self.device = torch.device("cpu" if dry_run else "cuda")
-        self.gpt = "gpt2-tiny" if dry_run else "gpt2"
-        self.batch, self.seq = (4, 32) if dry_run else (8, 512)
-        self.image = 32 if dry_run else 224
-        self.img_batch = 8 if dry_run else 32
-        self.reps = 2 if dry_run else 10
-        self.updates = 4 if dry_run else 8
-        self.overrides = {"n_layer": 2} if dry_run else {}  # dry run: a 2-layer gpt2-tiny
-
-    def build(self, name: str | None = None):
-        name = name or self.gpt
-        return build_preset(name, **(self.overrides if name == self.gpt else {}))
-
-    def model(self, name: str | None = None):
-        torch.manual_seed(0)
-        return self.build(name).to(self.device)
-
-    def batches(self, n: int, micro: int, name: str | None = None, seq: int | None = None) -> list:
-        gen = torch.Generator().manual_seed(1)
-        name = name or self.gpt
-        seq = seq or (self.image if name == "resnet50" else self.seq)
-        return [tuple(t.to(self.device) for t in preset_batch(name, micro, seq, generator=gen)) for _ in range(n)]
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-
-def loss_of(outputs, targets):
-    return lm_loss(outputs, targets) if outputs.dim() == 3 else torch.nn.functional.cross_entropy(outputs.float(), targets)
-
-
-def update(model, optimizer, micro_batches: list) -> torch.Tensor:
-    """One update over the micro-batches (one window = all of them); the mean loss, left on the device.
-
-    The loss is summed on the device so that the loop never waits for the GPU inside an update; the caller
-    syncs once per update, as the hand-written loop it is compared with does.
-    """
-    total = torch.zeros((), device=micro_batches[0][0].device)
-    for x, y in micro_batches:
-        loss = loss_of(model(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        total += loss.detach().float()
-    return total / len(micro_batches)
-
-
-def train(model, optimizer, micro_batches: list, updates: int, setup: Setup) -> tuple[list[float], float]:
-    """``updates`` updates; their losses and the median s/update (first one left out)."""
-    losses, times = [], []
-    for _ in range(updates):
-        setup.sync()
-        t0 = time.perf_counter()
-        losses.append(float(update(model, optimizer, micro_batches)))  # the one host sync per update
-        times.append(time.perf_counter() - t0)
-    return losses, statistics.median(times[1:] or times)
-
-
-def peak_of(s: Setup, fn: Callable[[], Any]) -> tuple[Any, int | None]:
-    """``fn()`` and its own CUDA peak: max_memory_allocated above what was alive before it (None on CPU).
-
-    Subtracting the baseline keeps memory left by earlier configurations (their weights, optimizer state)
-    out of this one's figure.
-    """
-    if s.device.type != "cuda":
-        return fn(), None
-    s.sync()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = fn()
-    s.sync()
-    return out, torch.cuda.max_memory_allocated() - base
-
-
-def compare(s: Setup, runners: dict[str, Callable[[], Any]]) -> dict:
-    """Seconds per update of each runner (one call = one update): ``WARMUP`` untimed updates each, then
-    ``s.reps`` rounds that time every runner once in turn (interleaved, so drift in clocks or temperature
-    hits all alike); the median per runner, and ``<name>_peak`` from the last warm-up update (state exists).
-    """
-    out: dict[str, Any] = {}
-    for name, run in runners.items():
-        for _ in range(WARMUP):
-            _, peak = peak_of(s, lambda: float(run()))
-        if peak is not None:
-            out[f"{name}_peak"] = peak
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(s.reps):
-        for name, run in runners.items():
-            s.sync()
-            t0 = time.perf_counter()
-            float(run())  # the one host sync per update
-            times[name].append(time.perf_counter() - t0)
-    out.update({f"{name}_s": statistics.median(t) for name, t in times.items()})
-    out["reps"], out["warmup"] = s.reps, WARMUP
-    return out
-
-
-def wrapped(setup: Setup, name: str | None = None, lr: float = 1e-4, **options):
-    model = setup.model(name)
-    opt = memwrap.create_optimizer("adamw", model, lr=lr)
-    return memwrap.wrap(model, opt, **options)
-
-
-def split(batch: tuple, n: int) -> list:
-    x, y = batch
-    m = x.shape[0] // n
-    return [(x[i * m:(i + 1) * m], y[i * m:(i + 1) * m]) for i in range(n)]
-
-
-def expect(condition: bool, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)
+TOLERANCE = 0.05  # planner prediction vs measured peak: the issue's target
+# The dry run's 2-layer gpt2-tiny holds ~1 MB of state: fixed costs (autocast weight copies, bitsandbytes'
+# blockwise buffers) are a larger share there, as in the CPU benchmarks' smallest rows.
+DRY_RUN_TOLERANCE = 0.10
 
 
 # ----------------------------------------------------------------------------- correctness checks
@@ -220,10 +101,6 @@ def check_bnb_8bit(s: Setup) -> dict:
             "bnb_version": bitsandbytes.__version__, "step_s": step_s}
 
 
-def _grads(model) -> torch.Tensor:
-    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-
-
 def check_offload(s: Setup) -> dict:
     x, y = s.batches(1, s.batch)[0]
     res, grads = {}, {}
@@ -231,8 +108,8 @@ def check_offload(s: Setup) -> dict:
         key = policy or "none"
         model = s.model()
         wm = memwrap.wrap(model, checkpoint=policy) if policy else model
-        _, res[f"peak_{key}"] = peak_of(s, lambda: loss_of(wm(x), y).backward())
-        grads[key] = _grads(model).cpu()  # kept off the GPU so the next pass's peak does not carry it
+        _, res[f"peak_{key}"] = peak_of(s, lambda wm=wm: loss_of(wm(x), y).backward())
+        grads[key] = grads_of(model).cpu()  # kept off the GPU so the next pass's peak does not carry it
         del model, wm  # nor this pass's weights and gradients
         if s.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -247,30 +124,46 @@ def check_offload(s: Setup) -> dict:
 
 
 def check_planner_vs_cuda(s: Setup) -> dict:
+    """Predicted (fake trace on the CPU) vs measured peak of real steps, and what the device holds beyond it.
+
+    The rows are kept when one misses the target, so the JSON shows by how much; the check then fails.
+    """
     from memwrap.memory import measure_peak
 
-    configs = [{}, {"precision": "bf16"}, {"accumulate": 4}, {"checkpoint": "full"},
-               {"precision": "bf16", "accumulate": 4, "checkpoint": "full"}, {"checkpoint": "selective"}]
+    configs = [(s.gpt, o) for o in ({}, {"precision": "bf16"}, {"accumulate": 4}, {"checkpoint": "full"},
+                                    {"precision": "bf16", "accumulate": 4, "checkpoint": "full"},
+                                    {"checkpoint": "selective"})]
+    configs.append(("resnet50", {"precision": "bf16"}))  # convolutions: cuDNN workspaces are not traced
     bnb_missing = None
     try:
         import bitsandbytes  # noqa: F401
 
-        configs.append({"precision": "bf16", "optim": "adamw_8bit"})
+        configs.append((s.gpt, {"precision": "bf16", "optim": "adamw_8bit"}))
     except Exception as exc:  # noqa: BLE001  (a broken CUDA library raises more than ImportError)
         bnb_missing = f"adamw_8bit row left out: {type(exc).__name__}: {exc}"
     rows, bad = [], []
-    for opts in configs:
-        micro = s.batch // opts.get("accumulate", 1)
-        batch = preset_batch(s.gpt, micro, s.seq)
-        est = memwrap.estimate(s.build, batch, loss_fn=lm_loss, **opts)
-        got = measure_peak(s.build, batch, lm_loss, steps=1, device=s.device, **opts)
+    tolerance = DRY_RUN_TOLERANCE if s.dry else TOLERANCE
+    for name, opts in configs:
+        image = name == "resnet50"
+        micro = (s.img_batch if image else s.batch) // opts.get("accumulate", 1)
+        batch = preset_batch(name, micro, s.image if image else s.seq)
+        loss_fn = None if image else lm_loss
+        est = memwrap.estimate(lambda: s.build(name), batch, loss_fn=loss_fn, **opts)
+        got = measure_peak(lambda: s.build(name), batch, loss_fn, steps=1, device=s.device, **opts)
         ratio = got["peak"] / est.peak
-        rows.append({"options": opts, "predicted": est.peak, "measured": got["peak"], "ratio": ratio,
+        rows.append({"model": name, "options": opts, "predicted": est.peak, "measured": got["peak"], "ratio": ratio,
                      "reserved": got.get("reserved"), "method": got["method"]})
-        if abs(ratio - 1) > TOLERANCE:
-            bad.append((opts, round(ratio, 3)))
-    expect(not bad, f"measured/predicted outside {TOLERANCE:.0%}: {bad}")
-    return {"rows": rows, **({"bnb_unavailable": bnb_missing} if bnb_missing else {})}
+        if abs(ratio - 1) > tolerance:
+            bad.append((name, opts, round(ratio, 3)))
+    out: dict[str, Any] = {"rows": rows, "target": tolerance,
+                           "worst_ratio": max((r["ratio"] for r in rows), key=lambda v: abs(v - 1))}
+    if bnb_missing:
+        out["bnb_unavailable"] = bnb_missing
+    if (outside := outside_allocator(s.device)) is not None:
+        out.update(outside)  # after real steps: cuBLAS (and cuDNN) handles and workspaces now exist
+    if bad:
+        out.update(status="failed", error=f"measured/predicted outside {tolerance:.0%}: {bad}")
+    return out
 
 
 # ----------------------------------------------------------------------------- timing (not correctness)
@@ -384,25 +277,6 @@ CHECKS: dict[str, tuple[Callable[[Setup], dict], bool]] = {  # name -> (function
 }
 
 
-def environment(s: Setup) -> dict:
-    env = {"torch": torch.__version__, "python": platform.python_version(), "dry_run": s.dry,
-           "device": "cpu (dry run)" if s.dry else torch.cuda.get_device_name(0)}
-    if not s.dry:
-        env.update(capability=".".join(map(str, torch.cuda.get_device_capability(0))), cuda=torch.version.cuda,
-                   memory=torch.cuda.get_device_properties(0).total_memory, bf16=torch.cuda.is_bf16_supported())
-    return env
-
-
-def write(doc: dict, out: pathlib.Path, dry: bool) -> pathlib.Path:
-    """Write the JSON atomically (a run killed by a timeout keeps the last complete file)."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / ("gpu_check_dry_run.json" if dry else "gpu_check.json")
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=repr))
-    tmp.replace(path)
-    return path
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run every check; write the JSON after each one; return 1 if a correctness check failed."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -446,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["pending"].remove(name)
         doc["failed"] = [n for n, r in doc["checks"].items() if r["correctness"] and r["status"] == "failed"]
         doc["seconds"] = round(time.perf_counter() - t_all, 1)
+        doc["suggested_margin"] = suggest_margin(doc)
         write(doc, args.out, s.dry)  # after every check: a timeout still leaves what ran
         print(f"[{time.perf_counter() - t_all:6.1f}s] {name:<24} {status:<8} "
               f"{result.get('error') or result.get('reason') or ''}", flush=True)

@@ -3,17 +3,17 @@
 Each claim is a dict: ``id``, ``seed`` (file), ``quote`` (the original words), ``claim`` (English),
 and ``measure(ctx)`` returning ``setting``, ``measured`` (text), ``figures`` (numbers; ``claimed``
 and ``value`` in one ``unit`` make the plot), ``kind`` (the verdict class) and ``verdict``.
-The measurements live in ``claims_memory.py`` and ``claims_fit.py``.
+The measurements live in ``claims_memory.py``, ``claims_training.py`` and ``claims_fit.py``.
 """
 from __future__ import annotations
 
 from claims_common import S0, S1, Ctx
 from claims_fit import (_gpu_or, accum_time, amp_memory, amp_speed, bert_base_3060, ckpt_memory, ckpt_time,
                         fp16_small_grads, llama_7b, llama_combo, resnet_3060, stability, t5_3b)
-from claims_memory import (accum_1_over_n, accum_4gb_16gb, accum_equivalence, accum_resnet, activations_3_5x,
-                           activations_proportional, adamw_bytes, amp_accum_halves, batchnorm, bert_large_weights,
-                           grad_bytes, grads_equal_params, image_batch, lr_scaling, memory_formula,
-                           optimizer_alternatives, params_100m, survey)
+from claims_memory import (accum_1_over_n, accum_4gb_16gb, accum_resnet, activations_3_5x, activations_proportional,
+                           adamw_bytes, amp_accum_halves, bert_large_weights, grad_bytes, grads_equal_params,
+                           image_batch, memory_formula, optimizer_alternatives, params_100m, survey)
+from claims_training import accum_equivalence, batchnorm, lr_scaling
 
 __all__ = ["CLAIMS", "Ctx", "amp_speed", "ckpt_time", "accum_time", "_gpu_or"]
 

@@ -189,8 +189,11 @@ def _build_manager() -> tuple[pluggy.PluginManager, list[PluginInfo]]:
         dist = getattr(ep, "dist", None)
         dist_name = dist.name if dist is not None else "<unknown>"
         version = dist.version if dist is not None else ""
-        infos.append(_load_one(pm, infos, ep.name, ep.value, ep.load, dist_name, version, _is_builtin(ep.value),
-                               autoload, blocked))
+        builtin = _is_builtin(ep.value)
+        # A built-in goes through _import_builtin: metadata that lists it can be visible while the package is
+        # not importable (a checkout on sys.path next to a memwrap.egg-info left by an editable install).
+        load = (lambda v=ep.value: _import_builtin(v)) if builtin else ep.load
+        infos.append(_load_one(pm, infos, ep.name, ep.value, load, dist_name, version, builtin, autoload, blocked))
     return pm, infos
 
 

@@ -168,14 +168,16 @@ def run_ddp_plain(rank: int) -> dict:
 def _count_reduce_scatter(counter: _Counter, step: list[int]):
     import torch.distributed as dist
 
-    original = dist.reduce_scatter_single
+    # FSDP2 calls reduce_scatter_single from torch 2.13 on, reduce_scatter_tensor before (2.11)
+    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    original = getattr(dist, name)
 
     def counting(*args, **kwargs):
         counter.calls.append(step[0])
         return original(*args, **kwargs)
 
-    dist.reduce_scatter_single = counting  # FSDP2 looks it up on the module at call time
-    return lambda: setattr(dist, "reduce_scatter_single", original)
+    setattr(dist, name, counting)  # FSDP2 looks it up on the module at call time
+    return lambda: setattr(dist, name, original)
 
 
 def _shard(model: nn.Module) -> nn.Module:

@@ -474,8 +474,9 @@ def test_offload_packs_exactly_the_block_inputs_to_cpu(monkeypatch):
     apply_checkpointing(model, offload=True)
     x, y = batch()
     got = grads(model, x, y)
-    # one saved tensor per block: its input hidden state [B, T, d]; nothing from inside the region
-    assert packed == [((2, 16, 64), "cpu")] * 4
+    # one saved tensor per block: its input hidden state [B, T, d]; nothing from inside the region.
+    # Some torch versions (2.11) also save an empty placeholder per region; it holds no bytes.
+    assert [p for p in packed if p[0] != (0,)] == [((2, 16, 64), "cpu")] * 4
     assert_same_grads(grads(ref_model, x, y), got)
     packed.clear()
     with torch.no_grad():

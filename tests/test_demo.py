@@ -105,8 +105,11 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert rc == 0, doc["failed"]
     assert list(doc["checks"]) == names
     assert all(c["status"] in ("ok", "skipped") for c in doc["checks"].values()), doc["checks"]
-    for row in doc["checks"]["planner_vs_cuda"]["rows"]:
+    planner = doc["checks"]["planner_vs_cuda"]
+    assert planner["target"] == 0.10 and {r["model"] for r in planner["rows"]} == {"gpt2-tiny", "resnet50"}
+    for row in planner["rows"]:
         assert abs(row["ratio"] - 1) <= 0.10, row
+    assert doc["suggested_margin"] is None  # it needs CUDA's reserved bytes
     # The figures seed_claims.py reads from a GPU run exist under the names it reads.
     checks = doc["checks"]
     assert checks["checkpoint_overhead"]["overhead_full_pct"] > -100
@@ -189,3 +192,20 @@ def test_seed_claims_time_rows_use_gpu_results():
     assert row["kind"] == "holds" and row["verdict"].startswith("better") and "gpt2, 8 x 512" in row["setting"]
     ctx.gpu["checks"]["checkpoint_overhead"]["overhead_full_pct"] = 40.0
     assert rows_mod.ckpt_time(ctx)["kind"] == "does not hold"
+
+
+def test_gpu_check_suggests_the_margin_its_measurements_call_for():
+    gpu_common = _load("gpu_common")
+    mib = 2**20
+    doc = {"outside_allocator_at_start": 500 * mib,
+           "checks": {"planner_vs_cuda": {"outside_allocator": 700 * mib, "rows": [
+               {"options": {}, "predicted": 1000 * mib, "measured": 1010 * mib, "reserved": 1070 * mib},
+               {"options": {"precision": "bf16"}, "predicted": 800 * mib, "measured": 790 * mib, "reserved": 880 * mib},
+           ]}}}
+    m = gpu_common.suggest_margin(doc)
+    # 880 / 800 = 1.10 is the worst reserved / predicted; 700 MiB rounds up to 704 MiB (11 x 64 MiB)
+    assert m["fraction"] == 0.10 and m["fixed"] == 704 * mib and m["from_row"] == {"precision": "bf16"}
+    budget_needed = [r["reserved"] + 700 * mib for r in doc["checks"]["planner_vs_cuda"]["rows"]]
+    assert all(r["predicted"] * (1 + m["fraction"]) + m["fixed"] >= need
+               for r, need in zip(doc["checks"]["planner_vs_cuda"]["rows"], budget_needed))
+    assert gpu_common.suggest_margin({"checks": {}}) is None

@@ -221,6 +221,26 @@ def test_source_tree_fallback_registers_builtins_without_metadata(monkeypatch):
     reset_plugin_manager()
 
 
+def test_builtins_listed_by_metadata_but_not_importable_load_from_the_source_tree(monkeypatch):
+    # A checkout on sys.path beside a memwrap.egg-info (left by an editable install) lists the built-in
+    # entry points, yet memwrap_plugins is not importable: the built-ins must still load, from plugins/.
+    listed = plugins._entry_points()
+    assert any(plugins._is_builtin(ep.value) for ep in listed)
+    monkeypatch.setattr(plugins, "_entry_points", lambda: listed)
+    for name in [m for m in sys.modules if m == "memwrap_plugins" or m.startswith("memwrap_plugins.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "memwrap_plugins", None)
+    reset_plugin_manager()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PluginLoadWarning)
+        infos = {i.name: i for i in plugin_info()}
+    assert {n: infos[n].status for n in ("torch_optim", "bitsandbytes", "adafactor")} == dict.fromkeys(
+        ("torch_optim", "bitsandbytes", "adafactor"), "loaded")
+    assert sys.modules["memwrap_plugins"].__file__ == str(Path(memwrap.__file__).parent.parent / "plugins" / "__init__.py")
+    assert type(create_optimizer("adamw", [torch.zeros(2, requires_grad=True)])) is torch.optim.AdamW
+    reset_plugin_manager()
+
+
 def test_import_memwrap_and_listing_do_not_import_bitsandbytes():
     code = ("import sys, memwrap; rows = memwrap.optimizers(); import memwrap.registry as r; "
             "r.get_optimizer_spec('adamw_8bit'); assert 'bitsandbytes' not in sys.modules, 'imported'; "

@@ -106,6 +106,8 @@ def measure_peak(model: nn.Module | Callable[[], nn.Module], batch: Any, loss_fn
     from memwrap.registry import create_optimizer
 
     gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()  # blocks cached by earlier work would count in this run's reserved peak
     rss_start = process_memory()["rss"]
     reset_process_peak()
     if not isinstance(model, nn.Module):
