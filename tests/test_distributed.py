@@ -21,6 +21,10 @@ from memwrap.distributed import check_sharded_optimizer, item_reducer, sync_cont
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+# FSDP2 on CPU records events on CPU streams; torch 2.6's torch.cpu.Stream has no record_event (it does by 2.11).
+needs_cpu_fsdp2 = pytest.mark.skipif(not hasattr(torch.cpu.Stream, "record_event"),
+                                     reason=f"FSDP2 cannot run on CPU with torch {torch.__version__} "
+                                            "(torch.cpu.Stream.record_event is missing); upgrade torch")
 
 
 def free_port() -> int:
@@ -110,6 +114,7 @@ def test_ddp_mixed_precision_syncs_once_and_ranks_agree(runs, precision):
 
 # --- FSDP2 -----------------------------------------------------------------------------------
 
+@needs_cpu_fsdp2
 @pytest.mark.parametrize("order", ["before", "after"])
 def test_fsdp2_matches_reference_with_clipping(runs, order):
     # "before": blocks checkpointed, then fully_shard (documented order); "after": wrap(checkpoint="auto")
@@ -123,6 +128,7 @@ def test_fsdp2_matches_reference_with_clipping(runs, order):
     assert rel_err(result(runs, f"fsdp_{order}")["params"], w.reference(2)) > 1e-2  # clipping was active
 
 
+@needs_cpu_fsdp2
 def test_fsdp2_one_reduce_scatter_per_unit_per_window(runs):
     res = result(runs, "fsdp_before")
     units = res["fsdp_units"]
@@ -132,6 +138,7 @@ def test_fsdp2_one_reduce_scatter_per_unit_per_window(runs):
     assert plain["comm"] == [s for s in range(w.ACCUMULATE * w.WINDOWS) for _ in range(units)]
 
 
+@needs_cpu_fsdp2
 def test_fsdp2_refuses_optimizers_that_cannot_step_dtensors(runs):
     res = result(runs, "sharded_optimizers")
     assert res["adamw"] == {"refused": None, "step_error": None}
@@ -168,7 +175,7 @@ def test_8bit_optimizer_allowed_on_plain_parameters():
 
 # --- examples --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("example", ["ddp_torchrun.py", "fsdp2_torchrun.py"])
+@pytest.mark.parametrize("example", ["ddp_torchrun.py", pytest.param("fsdp2_torchrun.py", marks=needs_cpu_fsdp2)])
 def test_distributed_examples_run(example):
     proc = torchrun(ROOT / "examples" / example, "--steps", "4")
     assert "updates=2" in proc.stdout, proc.stdout
@@ -176,6 +183,7 @@ def test_distributed_examples_run(example):
 
 # --- FSDP2 mixed precision -------------------------------------------------------------------
 
+@needs_cpu_fsdp2
 def test_fsdp2_bf16_syncs_once_per_window_and_tracks_reference(runs):
     ranks = [result(runs, "fsdp_bf16", r) for r in range(2)]
     for res in ranks:
@@ -185,6 +193,7 @@ def test_fsdp2_bf16_syncs_once_per_window_and_tracks_reference(runs):
     assert rel_err(ranks[0]["params"], w.reference(2, max_norm=w.MAX_NORM)) < 0.05
 
 
+@needs_cpu_fsdp2
 def test_fsdp2_fp16_ranks_skip_together_when_one_shard_overflows(runs):
     # An inf in rank 0's gradient shard alone: both ranks must skip that window and halve the scale.
     ranks = [result(runs, "fsdp_fp16_inf_one_rank", r) for r in range(2)]
