@@ -204,9 +204,12 @@ def test_entry_point_name_taken_by_a_builtin_is_refused(site):
         get_optimizer_spec("impostor")
 
 
-def test_source_tree_fallback_registers_builtins_without_metadata(monkeypatch):
-    monkeypatch.setattr(plugins, "_entry_points", lambda: [])
-    # Make memwrap_plugins unimportable as an installed package, as in a bare checkout.
+BUILTIN_PLUGINS = ("torch_optim", "bitsandbytes", "adafactor")
+
+
+def _load_with_builtins_unimportable(monkeypatch, entry_points: list) -> dict:
+    """Plugin infos when memwrap_plugins cannot be imported as an installed package (as in a bare checkout)."""
+    monkeypatch.setattr(plugins, "_entry_points", lambda: entry_points)
     for name in [m for m in sys.modules if m == "memwrap_plugins" or m.startswith("memwrap_plugins.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "memwrap_plugins", None)
@@ -214,10 +217,16 @@ def test_source_tree_fallback_registers_builtins_without_metadata(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error", PluginLoadWarning)
         infos = {i.name: i for i in plugin_info()}
-    assert {n: (i.status, i.distribution) for n, i in infos.items()} == {
-        n: ("loaded", "memwrap (source tree)") for n in ("torch_optim", "bitsandbytes", "adafactor")}
+    # the built-ins now come from the plugins/ folder next to memwrap/, and work
     assert sys.modules["memwrap_plugins"].__file__ == str(Path(memwrap.__file__).parent.parent / "plugins" / "__init__.py")
     assert type(create_optimizer("adamw", [torch.zeros(2, requires_grad=True)])) is torch.optim.AdamW
+    return infos
+
+
+def test_source_tree_fallback_registers_builtins_without_metadata(monkeypatch):
+    infos = _load_with_builtins_unimportable(monkeypatch, [])
+    assert {n: (i.status, i.distribution) for n, i in infos.items()} == {
+        n: ("loaded", "memwrap (source tree)") for n in BUILTIN_PLUGINS}
     reset_plugin_manager()
 
 
@@ -226,18 +235,8 @@ def test_builtins_listed_by_metadata_but_not_importable_load_from_the_source_tre
     # entry points, yet memwrap_plugins is not importable: the built-ins must still load, from plugins/.
     listed = plugins._entry_points()
     assert any(plugins._is_builtin(ep.value) for ep in listed)
-    monkeypatch.setattr(plugins, "_entry_points", lambda: listed)
-    for name in [m for m in sys.modules if m == "memwrap_plugins" or m.startswith("memwrap_plugins.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "memwrap_plugins", None)
-    reset_plugin_manager()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", PluginLoadWarning)
-        infos = {i.name: i for i in plugin_info()}
-    assert {n: infos[n].status for n in ("torch_optim", "bitsandbytes", "adafactor")} == dict.fromkeys(
-        ("torch_optim", "bitsandbytes", "adafactor"), "loaded")
-    assert sys.modules["memwrap_plugins"].__file__ == str(Path(memwrap.__file__).parent.parent / "plugins" / "__init__.py")
-    assert type(create_optimizer("adamw", [torch.zeros(2, requires_grad=True)])) is torch.optim.AdamW
+    infos = _load_with_builtins_unimportable(monkeypatch, listed)
+    assert {n: infos[n].status for n in BUILTIN_PLUGINS} == dict.fromkeys(BUILTIN_PLUGINS, "loaded")
     reset_plugin_manager()
 
 
