@@ -65,6 +65,11 @@ class AccumulationGate:
             raise ValueError("a window needs at least one micro-batch")
         self._planned = [float(w) for w in weights]
 
+    def drop_unused_plan(self) -> None:
+        """Forget a planned window that no micro-batch has gone into yet (``micro_step == 0``)."""
+        if self.micro_step == 0:
+            self._planned = None
+
     def tick(self) -> bool:
         """Count one micro-batch as done; return True when it closed the window."""
         self.micro_step += 1
@@ -138,10 +143,18 @@ class WrappedLoader:
             next(iterator)
             self.position += 1
         self._skip = 0
-        if self.count_items is None and _has_len(self.loader):
-            yield from self._iter_by_len(iterator)
-        else:
-            yield from self._iter_lookahead(iterator)
+        try:
+            if self.count_items is None and _has_len(self.loader):
+                yield from self._iter_by_len(iterator)
+            else:
+                yield from self._iter_lookahead(iterator)
+        finally:
+            # A pass that planned a window no step() went into (an evaluation pass over the training
+            # loader, or a stop right after a window's first batch) must not leave that plan to the next one.
+            self.gate.drop_unused_plan()
+        # The epoch ran to its end: a checkpoint taken now resumes at the next epoch's start, not past it.
+        # (A `break` closes the generator at its yield, so a stopped epoch keeps its position.)
+        self.position = 0
 
     def _iter_by_len(self, iterator: Iterator[Any]) -> Iterator[Any]:
         total = len(self.loader)

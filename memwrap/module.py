@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,8 @@ class WrappedModule(nn.Module):
         object.__setattr__(self, "_sync_context", sync_context)
         object.__setattr__(self, "_hooks_bypassed", _Bypass())
         object.__setattr__(self, "checkpoint_report", None)
+        object.__setattr__(self, "_opaque_warned", False)
+        object.__setattr__(self, "_grad_input_warned", False)
         # The inner module's keys, without a "module." prefix, so checkpoints stay interchangeable.
         self._register_state_dict_hook(_strip_prefix)
         self._register_load_state_dict_pre_hook(_add_prefix)
@@ -58,9 +61,39 @@ class WrappedModule(nn.Module):
         # dropout off) still needs its gradients weighted; an eval forward without backward never
         # fires the hooks, and no forward moves the window (only optimizer.step() does).
         training = torch.is_grad_enabled()
+        if training:
+            args, kwargs, stray = self._unweight_inputs(args, kwargs)
+            if stray is not None:
+                self._warn_grad_input(stray)
         with self._sync(training), self._precision.autocast(self._device_type):
             outputs = self.module(*args, **kwargs)
-        return self._finish(outputs, training)
+        outputs, opaque = self._finish(outputs, training)
+        if opaque:
+            self._warn_opaque(outputs)
+        return outputs
+
+    @torch.compiler.disable
+    def _unweight_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple | None]:
+        # An output of an earlier call fed back in (an RNN cell, an unrolled or iterative model): the
+        # gradient reaching it through this call was already weighted by this call's output hook, and its
+        # own hook will weight it again. An alias that divides by its factor keeps one weighting per path.
+        stray: list[tuple] = []
+
+        def unweight(t: torch.Tensor) -> torch.Tensor:
+            if not t.requires_grad:
+                return t
+            hook = getattr(t, "_memwrap_hook", None)
+            if hook is None:
+                stray.append(tuple(t.shape))
+                return t
+            if hook.factor is None or hook.zero:
+                return t
+            alias = t.view_as(t)
+            alias.register_hook(_GradScale(hook.factor, hook.bypass, hook.gate, inverse=True))
+            return alias
+
+        args, kwargs = map_outputs(args, unweight), map_outputs(kwargs, unweight)
+        return args, kwargs, (stray[0] if stray else None)
 
     # Both read the window's state, which changes between micro-batches: under torch.compile they
     # must run eagerly every call, or the first micro-batch's weight and sync decision get baked in.
@@ -76,8 +109,84 @@ class WrappedModule(nn.Module):
         # With accumulation a hook goes on even at weight 1 (a one-batch last window): it also tells
         # optimizer.step() that this micro-batch had its backward.
         needs_hook = factor is not None or (training and self._gate.accumulate > 1)
-        hook = _GradScale(factor, self._hooks_bypassed, self._gate) if needs_hook else None
-        return map_outputs(outputs, lambda t: _finish_output(t, hook))
+        hook = _GradScale(factor, self._hooks_bypassed, self._gate, zero=self._gate.weight() == 0) if needs_hook else None
+        hooked = [0]
+
+        def finish(t: torch.Tensor) -> torch.Tensor:
+            out = _finish_output(t, hook)
+            hooked[0] += out is not t and hook is not None and t.requires_grad
+            return out
+
+        outputs = map_outputs(outputs, finish)
+        return outputs, bool(needs_hook and not hooked[0] and outputs is not None)
+
+    # The warnings are raised from forward() itself, so that stacklevel=5 points at the user's model(...) call.
+    def _warn_opaque(self, outputs: Any) -> None:
+        if self._opaque_warned:
+            return
+        object.__setattr__(self, "_opaque_warned", True)
+        warnings.warn(
+            f"model(...) returned a {type(outputs).__name__} in which memwrap found no tensor that requires grad, "
+            "so it cannot weight this micro-batch's gradients (nor apply the fp16 loss scale). memwrap looks "
+            "into tensors, tuples, lists, dicts, namedtuples and dataclasses. Fix: return one of those, or call "
+            "memwrap.backward(loss, model) instead of loss.backward(); if this forward is not trained, run it "
+            "under torch.no_grad().",
+            stacklevel=5,
+        )
+
+    def _warn_grad_input(self, shape: tuple) -> None:
+        if self._grad_input_warned or (self._grad_factor_is_one() and self._gate.accumulate == 1):
+            return
+        object.__setattr__(self, "_grad_input_warned", True)
+        warnings.warn(
+            f"model(...) got an input that requires grad (shape {shape}) and is not one of its own outputs. "
+            "If it was computed from an earlier output (a recurrent loop that feeds torch.cat([x, h]) back, say), "
+            "the gradient along that path is weighted once per call, not once. Outputs passed back unchanged are "
+            "handled. Fix: finish the micro-batch with memwrap.backward(loss, model), which weights the loss once "
+            "whatever the graph; for gradients with respect to inputs (penalties) see model.unweighted().",
+            stacklevel=5,
+        )
+
+    def _grad_factor_is_one(self) -> bool:
+        return not self._scaler.is_enabled() and self._gate.weight() == 1.0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients only at a window boundary, like the wrapped optimizer's ``zero_grad()``.
+
+        Loops (and trainers) that clear with ``model.zero_grad()`` would otherwise throw away the
+        window's earlier micro-batches.
+
+        Example:
+            >>> import memwrap, torch
+            >>> net = torch.nn.Linear(2, 1)
+            >>> model, opt = memwrap.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), accumulate=2)
+            >>> model(torch.ones(1, 2)).sum().backward(); opt.step(); model.zero_grad()
+            >>> net.weight.grad is None  # mid-window: kept
+            False
+        """
+        if self._gate.micro_step == 0:
+            super().zero_grad(set_to_none)
+
+    @contextlib.contextmanager
+    def unweighted(self):
+        """Gradients through the outputs are the plain ones inside this block (the hooks stand aside).
+
+        For ``torch.autograd.grad`` through the model (gradient penalties): finish such a loss with
+        :func:`memwrap.backward`, which weights the whole loss once.
+
+        Example:
+            >>> import memwrap, torch
+            >>> model = memwrap.wrap(torch.nn.Linear(2, 1), precision="fp32")
+            >>> x = torch.ones(1, 2, requires_grad=True)
+            >>> with model.unweighted():
+            ...     (g,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
+        """
+        previous = self._hooks_bypassed.on
+        self._hooks_bypassed.on = True
+        try:
+            yield self
+        finally:
+            self._hooks_bypassed.on = previous
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Weight (and fp16-scale) the whole loss once, with the output hooks standing aside.
@@ -125,6 +234,7 @@ def _finish_output(t: torch.Tensor, hook: _GradScale | None) -> torch.Tensor:
         # inside forward (a loss from the logits), a hook on the shared tensor would weight that path twice.
         t = t.view_as(t)
         t.register_hook(hook)
+        t._memwrap_hook = hook  # recognised if this output is fed back into the model
     return t
 
 
@@ -138,23 +248,31 @@ class _Bypass:
 
 
 class _GradScale:
-    """Backward hook multiplying the incoming gradient by a fixed factor (weight x loss scale)."""
+    """Backward hook multiplying the incoming gradient by a fixed factor (weight x loss scale), or
+    dividing by it (``inverse``: an output fed back in as an input, see ``_unweight_inputs``)."""
 
-    __slots__ = ("factor", "bypass", "gate")
+    __slots__ = ("factor", "bypass", "gate", "zero", "inverse")
 
-    def __init__(self, factor: float | torch.Tensor | None, bypass: _Bypass, gate: AccumulationGate):
+    def __init__(self, factor: float | torch.Tensor | None, bypass: _Bypass, gate: AccumulationGate,
+                 zero: bool = False, inverse: bool = False):
         self.factor = factor
         self.bypass = bypass
         self.gate = gate
+        self.zero = zero
+        self.inverse = inverse
 
     def __call__(self, grad: torch.Tensor) -> torch.Tensor | None:
         self.gate.backward_seen = True
         if self.bypass.on or self.factor is None:
             return None  # gradient unchanged
+        if self.zero:
+            # A micro-batch with no items (count_items == 0) contributes nothing, even if its loss was
+            # 0/0 = NaN: NaN * 0 would poison the whole window.
+            return torch.zeros_like(grad)
         factor = self.factor
         if isinstance(factor, torch.Tensor) and factor.device != grad.device:
             factor = factor.to(grad.device, non_blocking=True)
-        return grad * factor
+        return grad / factor if self.inverse else grad * factor
 
 
 def map_outputs(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

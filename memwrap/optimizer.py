@@ -14,7 +14,26 @@ from torch._subclasses.fake_tensor import is_fake
 
 from memwrap.accumulation import AccumulationGate
 
-__all__ = ["WrappedOptimizer", "WrappedScheduler"]
+__all__ = ["WrappedOptimizer", "WrappedScheduler", "check_params_in_model"]
+
+
+def check_params_in_model(model: torch.nn.Module, params: list[torch.Tensor]) -> None:
+    """Refuse optimizer parameters outside the wrapped model: no output hook weights their gradients.
+
+    Example:
+        >>> check_params_in_model(torch.nn.Linear(2, 2), [torch.zeros(1, requires_grad=True)])
+        Traceback (most recent call last):
+        ...
+        ValueError: the optimizer holds 1 parameter(s) (e.g. shape (1,)) that are not in the model passed to wrap(). ...
+    """
+    in_model = {id(p) for p in model.parameters()}
+    stray = [p for p in params if id(p) not in in_model]
+    if stray:
+        raise ValueError(
+            f"the optimizer holds {len(stray)} parameter(s) (e.g. shape {tuple(stray[0].shape)}) that are not in "
+            "the model passed to wrap(). Their gradients would not be weighted per micro-batch. Fix: build the "
+            "optimizer from this model's parameters (a module trained alongside belongs inside the wrapped model)."
+        )
 
 
 class WrappedOptimizer(torch.optim.Optimizer):
@@ -33,8 +52,10 @@ class WrappedOptimizer(torch.optim.Optimizer):
 
     # Not calling Optimizer.__init__ on purpose: it would rebuild param_groups instead of sharing them.
     def __init__(self, optimizer: torch.optim.Optimizer, gate: AccumulationGate, scaler: torch.amp.GradScaler,
-                 max_grad_norm: float | None = None, on_nonfinite: str = "skip", monitor: Any = None):
+                 max_grad_norm: float | None = None, on_nonfinite: str = "skip", monitor: Any = None,
+                 model: torch.nn.Module | None = None):
         self.optimizer = optimizer
+        self._model = model  # parameter groups added later must belong to it too
         self.gate = gate
         self.scaler = scaler
         self.max_grad_norm = max_grad_norm
@@ -75,6 +96,12 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self.optimizer.defaults = value
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        model = self.__dict__.get("_model")
+        if model is not None:
+            params = param_group["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            param_group = {**param_group, "params": params}  # a generator would be used up by the check
+            check_params_in_model(model, params)
         self.optimizer.add_param_group(param_group)
 
     # Step hooks belong on the inner optimizer: its step() runs exactly once per real update.
@@ -100,7 +127,8 @@ class WrappedOptimizer(torch.optim.Optimizer):
         return f"WrappedOptimizer(accumulate={self.gate.accumulate}, {self.optimizer!r})"
 
     def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__
+        # Without the model: pickling or deep-copying the optimizer must not copy the model with it.
+        return {k: v for k, v in self.__dict__.items() if k != "_model"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -115,8 +143,9 @@ class WrappedOptimizer(torch.optim.Optimizer):
             )
         self.did_update = False
         self._check_backward_seen()
+        first_in_window = self.gate.micro_step == 0  # read before tick(): a one-batch window is first and last
         closes = self.gate.tick()
-        self._check_lr_unchanged(first_in_window=self.gate.micro_step == 1)
+        self._check_lr_unchanged(first_in_window)
         if not closes:
             return None
         self.step_was_skipped = not self._update()
@@ -168,14 +197,19 @@ class WrappedOptimizer(torch.optim.Optimizer):
     def _check_backward_seen(self) -> None:
         # Every step() counts a micro-batch; one without a backward through the wrapped model (step()
         # called twice per batch) would silently shorten the window.
+        # Under fp16 the hooks also apply the loss scale, so a gradient that bypassed them is wrong even
+        # without accumulation.
         seen, self.gate.backward_seen = self.gate.backward_seen, False
-        if seen or self._no_backward_warned or self.gate.accumulate == 1:
+        if seen or self._no_backward_warned or (self.gate.accumulate == 1 and not self.scaler.is_enabled()):
             return
         self._no_backward_warned = True
         warnings.warn(
-            "optimizer.step() was called without a backward pass through the wrapped model since the previous "
-            "step(); every step() counts one micro-batch, so the accumulation window closes early. Fix: call "
-            "optimizer.step() exactly once per micro-batch, after loss.backward().",
+            "optimizer.step() was called without a backward pass through the wrapped model's outputs since the "
+            "previous step(), so this micro-batch's gradients were not weighted (nor loss-scaled in fp16). Causes: "
+            "step() called twice per batch; a loss from tensors that did not come out of model(...) (another method "
+            "of the model, an output type memwrap cannot look into); an output modified in place before the loss. "
+            "Fix: call optimizer.step() once per micro-batch after loss.backward(), compute the loss from model(...)'s "
+            "outputs without in-place edits, or call memwrap.backward(loss, model).",
             stacklevel=3,
         )
 

@@ -16,7 +16,7 @@ from memwrap.accumulation import AccumulationGate, WrappedLoader
 from memwrap.config import Options, parse_options
 from memwrap.distributed import item_reducer, sync_control
 from memwrap.module import WrappedModule
-from memwrap.optimizer import WrappedOptimizer, WrappedScheduler
+from memwrap.optimizer import WrappedOptimizer, WrappedScheduler, check_params_in_model
 from memwrap.precision import TF32, get_precision
 
 __all__ = ["wrap", "unwrap", "backward"]
@@ -161,6 +161,12 @@ def _check_pairing(opts: Options, model: Any, optimizer: Any, kinds: dict[str, l
             "same wrap() call: the model weights gradients and the optimizer steps once per window. "
             "Fix: model, optimizer = memwrap.wrap(model, optimizer, ...)."
         )
+    if len(kinds["loader"]) > 1:
+        raise TypeError(
+            f"wrap() got {len(kinds['loader'])} data loaders; only the training loader may be wrapped: it plans the "
+            "accumulation windows, so a second one (an evaluation loader) would plan windows no step follows. "
+            "Fix: wrap only the training loader and iterate evaluation loaders unwrapped."
+        )
     if opts.count_items is not None and not kinds["loader"]:
         raise TypeError(
             "count_items weights micro-batches by their item counts, which the wrapped loader reads one window ahead; "
@@ -194,13 +200,7 @@ def _check_pairing(opts: Options, model: Any, optimizer: Any, kinds: dict[str, l
             f"optimizer, or build one with memwrap.create_optimizer({opts.optim!r}, model.parameters())."
         )
     if model is not None and optimizer is not None:
-        in_model = {id(p) for p in model.parameters()}
-        stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in in_model]
-        if stray:
-            raise ValueError(
-                f"the optimizer holds {len(stray)} parameter(s) (e.g. shape {tuple(stray[0].shape)}) that are not in "
-                "the model passed to wrap(). Fix: build the optimizer from this model's parameters."
-            )
+        check_params_in_model(model, [p for g in optimizer.param_groups for p in g["params"]])
     if model is not None and opts.accumulate > 1 and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         warnings.warn(
             f"the model has BatchNorm layers and accumulate={opts.accumulate}: their statistics are computed per "
@@ -260,7 +260,7 @@ def _wrap_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module | None, o
         from memwrap.memory.monitor import MemoryMonitor
 
         monitor = MemoryMonitor(every=opts.monitor)
-    return WrappedOptimizer(inner, gate, scaler, opts.max_grad_norm, opts.on_nonfinite, monitor)
+    return WrappedOptimizer(inner, gate, scaler, opts.max_grad_norm, opts.on_nonfinite, monitor, model=model)
 
 
 def _wrap_scheduler(scheduler: Any, wrapped_opt: WrappedOptimizer | None) -> WrappedScheduler:
