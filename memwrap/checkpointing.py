@@ -235,7 +235,22 @@ def apply_checkpointing(model: nn.Module, policy="auto", *, every: int = 1, mode
     for _, module in chosen:
         _checkpoint_module(module, mode, offload)
     model.__dict__[_ROOT_ATTR] = report
+    if chosen:
+        _disable_kv_cache(model)
     return report
+
+
+_USE_CACHE_ATTR = "_memwrap_use_cache"
+
+
+def _disable_kv_cache(model: nn.Module) -> None:
+    # A Hugging Face model with config.use_cache builds a key/value cache in every training forward, and the
+    # recompute writes it again: memory for nothing. transformers' own gradient_checkpointing_enable turns it
+    # off (Trainer does too); memwrap does the same when it checkpoints, and remove_checkpointing restores it.
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", None) is True and _USE_CACHE_ATTR not in model.__dict__:
+        model.__dict__[_USE_CACHE_ATTR] = True
+        config.use_cache = False
 
 
 def remove_checkpointing(model: nn.Module) -> nn.Module:
@@ -247,4 +262,6 @@ def remove_checkpointing(model: nn.Module) -> nn.Module:
         if is_checkpointed(module):
             _uncheckpoint_module(module)
     model.__dict__.pop(_ROOT_ATTR, None)
+    if model.__dict__.pop(_USE_CACHE_ATTR, None):
+        model.config.use_cache = True
     return model

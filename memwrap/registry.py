@@ -75,7 +75,8 @@ class OptimizerSpec:
         aliases: other accepted names, e.g. Hugging Face ``optim=`` strings.
         available: ``() -> (ok, install_hint)``; must not import the backend when cheap to avoid.
         defaults: hyperparameters passed to ``factory`` unless the caller overrides them.
-        carries: param-group keys that keep their meaning when converting from AdamW-style groups.
+        carries: param-group keys that keep their meaning when converting from AdamW-style groups; the kernel
+            flags ``fused``/``foreach`` listed here are passed on when the source optimizer set them explicitly.
         fused, paged: capability flags (a fused kernel where supported; paged state on CUDA).
         scaler_ok: works with ``torch.amp.GradScaler`` (fp16).
         devices: device types the kernels support.
@@ -303,7 +304,11 @@ def convert_optimizer(optimizer: torch.optim.Optimizer, name: str, *, model: nn.
         if spec.conversion_note:
             parts.append(spec.conversion_note)
         warnings.warn(" ".join(parts), ConversionWarning, stacklevel=2)
-    new_optimizer = spec.factory(groups, **spec.defaults)
+    # A kernel choice the user made explicitly (fused=False, say, because Lightning refuses to clip with a
+    # fused AdamW under mixed precision) survives when the target takes that flag.
+    chosen = {k: optimizer.defaults[k] for k in ("fused", "foreach")
+              if k in spec.carries and optimizer.defaults.get(k) is not None}
+    new_optimizer = spec.factory(groups, **{**spec.defaults, **chosen})
     if model is not None and spec.bind_model is not None:
         spec.bind_model(new_optimizer, model)
     return new_optimizer

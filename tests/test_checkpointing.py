@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.flop_counter import FlopCounterMode
 
+import memwrap
 from memwrap import checkpointing as ckpt
 from memwrap.checkpoint_policies import find_blocks, parse_checkpoint_option, select_modules
 from memwrap.checkpointing import apply_checkpointing, remove_checkpointing
@@ -498,3 +499,19 @@ def test_offload_lowers_cuda_activation_memory():
         peaks[off] = torch.cuda.memory_allocated() - base
         lm_loss(out, y).backward()
     assert peaks[True] < peaks[False]
+
+
+def test_checkpointing_turns_a_hugging_face_kv_cache_off_and_unwrap_restores_it():
+    # transformers' gradient_checkpointing_enable() does the same: a cache built in every training forward,
+    # then written again by the recompute, is memory for nothing.
+    from types import SimpleNamespace
+
+    model = tiny_gpt()
+    model.config = SimpleNamespace(use_cache=True)
+    wrapped = memwrap.wrap(model, checkpoint="auto")
+    assert model.config.use_cache is False
+    memwrap.unwrap(wrapped)
+    assert model.config.use_cache is True
+    model.config.use_cache = False  # a user's own choice is left alone, and not "restored" to True
+    memwrap.unwrap(memwrap.wrap(model, checkpoint="auto"))
+    assert model.config.use_cache is False

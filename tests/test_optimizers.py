@@ -323,3 +323,14 @@ def test_wrap_optim_converts_through_the_registry():
         wopt.zero_grad()
     assert wopt.updates == 1
     assert inner.state[model.embed.weight]["state1"].dtype == torch.float32  # model= reached bind_model
+
+
+@pytest.mark.parametrize("flags,fused", [({}, True), ({"fused": False}, False), ({"foreach": True}, False)])
+def test_conversion_keeps_an_explicit_kernel_choice(flags, fused):
+    # Lightning refuses to clip gradients with a fused AdamW under mixed precision: a user's fused=False must survive.
+    model = TinyLM()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = convert_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, **flags), "adamw")
+    assert bool(new.defaults["fused"]) is fused and new.defaults["lr"] == 1e-3
+    assert getattr(new, "_step_supports_amp_scaling", False) is fused
