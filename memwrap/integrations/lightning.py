@@ -4,11 +4,13 @@ Lightning keeps doing what its flags do: precision (``Trainer(precision="bf16-mi
 accumulation (``accumulate_grad_batches``, with DDP ``no_sync``), clipping
 (``gradient_clip_val``), LR scheduling and the strategy (DDP, FSDP). The callback only
 
-* checkpoints the module's blocks with a memwrap policy in ``setup``, before the strategy wraps or
-  shards the model (the order FSDP needs, see docs/distributed.md), and
+* checkpoints the module's blocks with a memwrap policy right after the module's own ``setup`` or
+  ``configure_model`` has built them, before the strategy wraps or shards the model (the order FSDP
+  needs, see docs/distributed.md), and
 * converts the optimizer(s) returned by ``configure_optimizers`` to a memwrap optimizer
   (``"adamw_8bit"``, ``"adamw_bnb_8bit"``, ``"adafactor"``, a plugin's name), keeping each param
-  group's lr and weight decay; LR schedulers returned alongside are re-attached to the new optimizer.
+  group's lr and weight decay; LR schedulers returned alongside are re-pointed at the new optimizer
+  with their state untouched, so the LR sequence is the one Lightning would have run.
 
 So ``memwrap.wrap`` is never used inside a Lightning run: precision or accumulation would be done twice.
 
@@ -20,6 +22,10 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -41,11 +47,59 @@ def _callback_base() -> type:
     return Callback
 
 
+def _is_overridden(name: str, pl_module: Any) -> bool:
+    # Lightning's own test (it sees through functools.wraps), from the package the callback base came from.
+    import importlib
+
+    package = _callback_base().__module__.rsplit(".callbacks", 1)[0]
+    return importlib.import_module(f"{package}.utilities.model_helpers").is_overridden(name, pl_module)
+
+
+def _build_hook(pl_module: Any) -> str:
+    """The last hook in which Lightning lets the module build its network before the strategy sets up."""
+    # Lightning calls LightningModule.setup, then configure_sharded_model / configure_model only where overridden.
+    for name in ("configure_model", "configure_sharded_model"):
+        if hasattr(pl_module, name) and _is_overridden(name, pl_module):
+            return name
+    return "setup"
+
+
+def _clips_under_amp(trainer: Any) -> bool:
+    """True when Lightning will clip gradients under its mixed-precision plugin (which refuses fused optimizers)."""
+    plugin = getattr(trainer, "precision_plugin", None)
+    # By class name: MixedPrecision in Lightning 2, MixedPrecisionPlugin in pytorch_lightning 1.x.
+    amp = any(c.__name__ in ("MixedPrecision", "MixedPrecisionPlugin") for c in type(plugin).__mro__)
+    return amp and bool(getattr(trainer, "gradient_clip_val", None))
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def _unfused(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Make ``optimizer`` read as an explicit ``fused=False`` choice while it is converted, unless the user chose."""
+    # convert_optimizer keeps an explicit fused=/foreach= of the source; the source is discarded right after,
+    # but its defaults are restored anyway so nothing the user holds changes.
+    previous = optimizer.defaults.get("fused", _MISSING)
+    if previous is not _MISSING and previous is not None:
+        yield
+        return
+    optimizer.defaults["fused"] = False
+    try:
+        yield
+    finally:
+        if previous is _MISSING:
+            optimizer.defaults.pop("fused", None)
+        else:
+            optimizer.defaults["fused"] = previous
+
+
 class _Converter:
     """Replace optimizers in whatever structure ``configure_optimizers`` returned, re-pointing schedulers."""
 
-    def __init__(self, optim: str, model: nn.Module):
-        self.optim, self.model = optim, model
+    def __init__(self, optim: str, model: nn.Module, *, unfused: bool = False):
+        # unfused: Lightning will clip gradients under mixed precision, which it refuses for fused optimizers.
+        self.optim, self.model, self.unfused = optim, model, unfused
         self.converted: dict[int, tuple[torch.optim.Optimizer, torch.optim.Optimizer]] = {}  # id(old) -> (old, new)
 
     def __call__(self, value: Any) -> Any:
@@ -67,7 +121,14 @@ class _Converter:
         from memwrap.registry import convert_optimizer
 
         if id(optimizer) not in self.converted:
-            new = convert_optimizer(optimizer, self.optim, model=self.model)
+            with _unfused(optimizer) if self.unfused else contextlib.nullcontext():
+                new = convert_optimizer(optimizer, self.optim, model=self.model)
+            if self.unfused and getattr(new, "_step_supports_amp_scaling", False):
+                raise RuntimeError(
+                    f"MemwrapCallback(optim={self.optim!r}) built a fused {type(new).__name__}, which unscales gradients "
+                    "inside step(), so Lightning cannot clip them (gradient_clip_val) under mixed precision. Fix: "
+                    "return the module's optimizer with fused=False from configure_optimizers, pick a non-fused "
+                    "optim, or drop gradient_clip_val.")
             check_sharded_optimizer(new)
             self.converted[id(optimizer)] = (optimizer, new)
         return self.converted[id(optimizer)][1]
@@ -90,24 +151,66 @@ class _Converter:
 
 
 def _retarget(scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
-    """Attach a scheduler built on ``old`` to ``new``, as if it had been built on ``new``."""
+    """Attach a scheduler built on ``old`` to ``new``, keeping everything the scheduler has done so far."""
+    # No constructor is re-run: constructors act on the groups (LinearLR scales lr by start_factor, ConstantLR
+    # by factor, OneCycleLR sets its start lr), and those groups were already acted on when ``new`` copied them.
+    # So the new groups take the old groups' lr state as is and only the optimizer references move.
     for old_group, new_group in zip(old.param_groups, new.param_groups, strict=True):
-        if "initial_lr" in old_group:
-            new_group["initial_lr"] = old_group["initial_lr"]
-    if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) and not isinstance(
-            scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        # Nothing has stepped yet, so re-running the base constructor from epoch -1 on the new
-        # optimizer is exactly "built on new": initial LRs, step tracking, the first LR value.
-        torch.optim.lr_scheduler.LRScheduler.__init__(scheduler, new, last_epoch=-1)
-    else:  # ReduceLROnPlateau & co. only keep the reference
+        for key in ("lr", "initial_lr"):
+            if key in old_group:
+                value = old_group[key]
+                new_group[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    _repoint(scheduler, old, new)
+    _track_steps(new)
+
+
+def _repoint(scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
+    # SequentialLR and ChainedScheduler step inner schedulers that keep their own optimizer reference.
+    if getattr(scheduler, "optimizer", None) is old:
         scheduler.optimizer = new
+    for inner in getattr(scheduler, "_schedulers", None) or ():
+        _repoint(inner, old, new)
 
 
-def _apply_checkpoint(module: nn.Module, checkpoint: Any) -> Any:
+def _track_steps(optimizer: torch.optim.Optimizer) -> None:
+    """Wrap ``optimizer.step`` as ``LRScheduler.__init__`` does, which it never ran for ``optimizer``."""
+    # The scheduler's first step() looks for this wrapper to check that optimizer.step() ran first; without
+    # it, it warns that optimizer.step() "has been overridden".
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched") or not hasattr(optimizer.step, "__func__"):
+        return
+    func, ref = optimizer.step.__func__, weakref.ref(optimizer)  # a weak ref, as torch's: no cycle
+
+    @functools.wraps(func)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        opt = ref()
+        opt._opt_called = True
+        return func.__get__(opt, type(opt))(*args, **kwargs)
+
+    step._wrapped_by_lr_sched = True
+    optimizer.step = step
+
+
+def _apply_checkpoint(module: nn.Module, checkpoint: Any, after: str = "setup") -> Any:
     from memwrap.checkpointing import apply_checkpointing, parse_checkpoint_option
 
     how = parse_checkpoint_option(checkpoint)
-    return None if how is None else apply_checkpointing(module, **how)
+    if how is None:
+        return None
+    try:
+        return apply_checkpointing(module, **how)
+    except ValueError as exc:  # nothing matched: often a network that does not exist yet at this point
+        raise ValueError(
+            f"{exc} (MemwrapCallback checkpoints right after {type(module).__name__}.{after}(): build the network in "
+            "__init__, setup() or configure_model(), not later.)") from exc
+
+
+def _check_available(spec: Any) -> None:
+    # As create_optimizer would, but when the callback is built rather than in the middle of fit().
+    ok, hint = spec.available()
+    if not ok:
+        from memwrap.registry import OptimizerUnavailableError
+
+        raise OptimizerUnavailableError(f"optimizer {spec.name!r} is not available: {hint}")
 
 
 _CLASS: type | None = None
@@ -133,8 +236,10 @@ class _MemwrapCallback:
         optim: memwrap optimizer name or alias to convert the module's optimizer(s) to; ``None``
             keeps them.
 
-    After ``setup``, ``callback.report`` is the :class:`~memwrap.checkpointing.CheckpointReport`;
-    after Lightning has called ``configure_optimizers``, ``callback.optimizers`` holds the optimizers it built.
+    Checkpointing runs right after the module's ``configure_model`` (or its ``setup`` when it has no
+    ``configure_model``), so networks built there are covered; ``callback.report`` is then the
+    :class:`~memwrap.checkpointing.CheckpointReport`. After Lightning has called ``configure_optimizers``,
+    ``callback.optimizers`` holds the optimizers it built.
 
     Example:
         >>> cb = MemwrapCallback(checkpoint="selective", optim="adamw_bnb_8bit")  # doctest: +SKIP
@@ -146,7 +251,9 @@ class _MemwrapCallback:
         if optim is not None:
             from memwrap.registry import get_optimizer_spec
 
-            optim = get_optimizer_spec(optim).name  # unknown names fail now, listing the valid ones
+            spec = get_optimizer_spec(optim)  # unknown names fail now, listing the valid ones
+            _check_available(spec)  # so does a missing backend, with its install command
+            optim = spec.name
         if checkpoint is not None and checkpoint is not False:
             from memwrap.checkpointing import parse_checkpoint_option
 
@@ -155,30 +262,60 @@ class _MemwrapCallback:
         self.optim = optim
         self.report = None
         self.optimizers: list[torch.optim.Optimizer] = []
-        self._original: Any = None
+        self._module: nn.Module | None = None  # the module whose hooks are patched, if any
+        self._original: dict[str, Any] | None = None  # its instance attributes the patches shadow
 
     def setup(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
         if stage != "fit":
             return
+        # A fit that raised before on_exception could run (or a new module) must not keep or block the patches.
+        self._restore()
+        self._module, self._original = pl_module, {}
         if self.checkpoint is not None and self.checkpoint is not False:
-            self.report = _apply_checkpoint(pl_module, self.checkpoint)
-        if self.optim is not None and self._original is None:
-            # An instance attribute shadows the method: Lightning looks the hook up with getattr.
-            original = pl_module.configure_optimizers
-            self._original = original
-
-            def configure_optimizers() -> Any:
-                converter = _Converter(self.optim, pl_module)
-                result = converter(original())
-                self.optimizers = [new for _, new in converter.converted.values()]
-                return result
-
-            pl_module.configure_optimizers = configure_optimizers
+            # Callback.setup runs before the module's setup and configure_model: patch the one that runs last.
+            hook = _build_hook(pl_module)
+            self._patch(pl_module, hook, lambda result: self._checkpoint(pl_module, hook, result))
+        if self.optim is not None:
+            unfused = _clips_under_amp(trainer)
+            self._patch(pl_module, "configure_optimizers", lambda result: self._convert(pl_module, result, unfused))
 
     def teardown(self, trainer: Any, pl_module: nn.Module, stage: str) -> None:
-        if self._original is not None:
-            pl_module.__dict__.pop("configure_optimizers", None)
-            self._original = None
+        self._restore()
+
+    def on_exception(self, trainer: Any, pl_module: nn.Module, exception: BaseException) -> None:
+        self._restore()  # Lightning skips teardown after an exception
+
+    def _patch(self, pl_module: nn.Module, name: str, after: Callable[[Any], Any]) -> None:
+        """Shadow ``pl_module.<name>`` with an instance attribute that passes its result through ``after``."""
+        original = getattr(pl_module, name)
+        self._original[name] = pl_module.__dict__.get(name, _MISSING)
+
+        # Lightning looks hooks up with getattr, so the instance attribute wins; functools.wraps keeps
+        # Lightning's is_overridden answer (which decides whether configure_model is called at all) unchanged.
+        @functools.wraps(original)
+        def hook(*args: Any, **kwargs: Any) -> Any:
+            return after(original(*args, **kwargs))
+
+        pl_module.__dict__[name] = hook
+
+    def _checkpoint(self, pl_module: nn.Module, hook: str, result: Any) -> Any:
+        self.report = _apply_checkpoint(pl_module, self.checkpoint, after=hook)
+        return result
+
+    def _convert(self, pl_module: nn.Module, result: Any, unfused: bool) -> Any:
+        converter = _Converter(self.optim, pl_module, unfused=unfused)
+        result = converter(result)
+        self.optimizers = [new for _, new in converter.converted.values()]
+        return result
+
+    def _restore(self) -> None:
+        module, original = self._module, self._original
+        self._module = self._original = None
+        for name, value in (original or {}).items():
+            if value is _MISSING:
+                module.__dict__.pop(name, None)
+            else:
+                module.__dict__[name] = value
 
     def state_dict(self) -> dict[str, Any]:
         return {"checkpoint": repr(self.checkpoint), "optim": self.optim}
