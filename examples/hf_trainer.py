@@ -48,7 +48,8 @@ def main() -> None:
                                  gradient_checkpointing=True, bf16=True, optim="adamw_bnb_8bit", use_cpu=True,
                                  report_to=[])
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # per_device_train_batch_size: the DataLoader's business here
+        # The warning names the fields wrap() leaves to this loop (batch size, use_cpu, ...): handled below.
+        warnings.simplefilter("ignore")
         options = wrap_options(template)
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -5,9 +5,12 @@ with DDP ``no_sync`` through accelerate), mixed precision (``fp16``/``bf16``), c
 (``max_grad_norm``), the LR scheduler and distribution. memwrap adds only
 
 * the optimizer, by any memwrap name or Hugging Face string (``"adamw_8bit"``, ``"adamw_bnb_8bit"``,
-  ``"adafactor"``, a plugin's name), built on Trainer's own param groups (weight decay split), and
+  a plugin's name), built on Trainer's own param groups (weight decay split), and
 * activation checkpointing with memwrap's policies (``"auto"``, ``"selective"``, ``"every-2"``,
   ``"offload"``, class sets, callables), instead of ``gradient_checkpointing=True``.
+
+Without ``optim=``, ``args.optim`` is taken over only where memwrap builds the very optimizer Trainer
+would (same maths, same hyperparameters); for any other ``args.optim`` Trainer keeps its own.
 
 So ``memwrap.wrap`` is never used inside a Trainer run: accumulation or precision would be done twice.
 For a plain loop, :func:`wrap_options` turns a ``TrainingArguments`` into ``wrap()`` options.
@@ -21,6 +24,7 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -29,8 +33,44 @@ from torch import nn
 
 __all__ = ["memwrap_trainer_kwargs", "memwrap_optimizer_class", "wrap_options"]
 
-# TrainingArguments fields a plain loop must handle itself: wrap() has no equivalent.
-_LOOP_FIELDS = ("per_device_train_batch_size", "torch_compile", "dataloader_pin_memory", "dataloader_num_workers")
+# Trainer's optim strings whose optimizer memwrap builds with the same maths and the same hyperparameters
+# (see transformers.trainer_optimizer): HF name -> (memwrap optimizer, extra keyword Trainer passes).
+# Only these are taken over from args.optim; for any other Trainer keeps its own optimizer.
+_SAME_AS_TRAINER: dict[str, tuple[str, dict[str, Any]]] = {
+    "adamw_torch": ("adamw", {}),  # memwrap may pick the fused kernel: same maths, rounding-level differences
+    "adamw_torch_fused": ("adamw", {"fused": True}),
+    "adamw_bnb_8bit": ("adamw_8bit", {}),
+    "adamw_8bit": ("adamw_8bit", {}),
+    "paged_adamw_8bit": ("paged_adamw_8bit", {}),
+    "lion_8bit": ("lion_8bit", {}),
+}
+# memwrap optimizers that Trainer's counterparts get (adam_beta1, adam_beta2) for: for Lion too, where memwrap's
+# own default would be (0.9, 0.99).
+_TRAINER_BETAS = frozenset({"adamw", "adamw_8bit", "paged_adamw_8bit", "lion_8bit"})
+# What Trainer builds for HF names that memwrap also accepts but with other maths, for the warnings.
+_TRAINER_MEANING = {
+    "adafactor": "transformers.Adafactor(scale_parameter=False, relative_step=False), whose lr is an absolute "
+                 "step size",
+}
+
+# TrainingArguments fields a plain loop must apply itself, by where they go; wrap() reads only HF_ALIASES.
+_LOOP_HOMES = (
+    ("optimizer (set them on the optimizer you pass to wrap())",
+     ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "optim_args")),
+    ("LR scheduler and run length", ("lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "num_train_epochs",
+                                      "max_steps")),
+    ("loop (batch size and workers go to your DataLoader, torch_compile is torch.compile(model))",
+     ("per_device_train_batch_size", "torch_compile", "dataloader_pin_memory", "dataloader_num_workers")),
+    ("checkpointing (memwrap's checkpoint= policies take no Hugging Face kwargs)",
+     ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")),
+)
+# Hugging Face defaults of those fields, for duck-typed templates that carry no dataclass defaults.
+_HF_DEFAULTS = {"learning_rate": 5e-05, "weight_decay": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.999,
+                "adam_epsilon": 1e-08, "optim_args": None, "lr_scheduler_type": "linear", "lr_scheduler_kwargs": None,
+                "warmup_steps": 0, "num_train_epochs": 3.0, "max_steps": -1, "per_device_train_batch_size": 8,
+                "torch_compile": False, "dataloader_pin_memory": True, "dataloader_num_workers": 0}
+# transformers 5 mirrors the deprecated name into the new one: name the setting once.
+_MIRRORED = {"gradient_checkpointing_kwargs": "activation_checkpointing_kwargs"}
 
 
 def memwrap_optimizer_class(optim: str, model: nn.Module | None = None) -> type[torch.optim.Optimizer]:
@@ -66,24 +106,66 @@ def memwrap_optimizer_class(optim: str, model: nn.Module | None = None) -> type[
 
 
 def _hyperparameters(spec: Any, args: Any) -> dict[str, Any]:
-    """Trainer's optimizer hyperparameters that ``spec`` understands (weight decay lives in the groups)."""
-    if args is None:
-        return {}
+    """The hyperparameters Trainer itself would pass to ``spec``'s optimizer (weight decay lives in the groups)."""
     found: dict[str, Any] = {"lr": args.learning_rate}
-    if "betas" in spec.carries and hasattr(args, "adam_beta1"):
+    if (spec.name in _TRAINER_BETAS or "betas" in spec.carries) and hasattr(args, "adam_beta1"):
         found["betas"] = (args.adam_beta1, args.adam_beta2)
     if "eps" in spec.carries and hasattr(args, "adam_epsilon"):
         found["eps"] = args.adam_epsilon
     return found
 
 
-def _optim_name(optim: str | None, args: Any) -> str:
-    if optim is not None:
-        return optim
-    name = getattr(args, "optim", None)
-    if name is None:
-        raise ValueError("memwrap_trainer_kwargs needs optim='...' (e.g. 'adamw_8bit') or TrainingArguments to read it from.")
-    return getattr(name, "value", name)  # OptimizerNames is a str enum
+def _plain(value: Any) -> Any:
+    return getattr(value, "value", value)  # HF's OptimizerNames / SchedulerType are str enums
+
+
+def _key(name: Any) -> str:
+    return str(_plain(name)).strip().lower().replace("-", "_")  # as the registry normalizes names
+
+
+def _trainer_equivalent(args: Any) -> tuple[Any, dict[str, Any]] | None:
+    """memwrap's spec and extra keywords for ``args.optim`` when memwrap reproduces Trainer's optimizer exactly."""
+    from memwrap.registry import UnknownOptimizerError, get_optimizer_spec
+
+    target = _SAME_AS_TRAINER.get(_key(getattr(args, "optim", None)))
+    if target is None:
+        return None
+    try:
+        return get_optimizer_spec(target[0]), dict(target[1])
+    except UnknownOptimizerError:  # its plugin is blocked: Trainer can still build its own
+        return None
+
+
+def _keep_trainer_optimizer_warning(args: Any, checkpointing: bool) -> None:
+    from memwrap.registry import UnknownOptimizerError, get_optimizer_spec
+
+    name = _key(getattr(args, "optim", None))
+    try:
+        spec = get_optimizer_spec(name)
+        why = (f"Trainer's is {_TRAINER_MEANING.get(name, 'built differently')}, while memwrap's {spec.name!r} is "
+               f"{(spec.description or 'another optimizer').rstrip('.')}")
+    except UnknownOptimizerError:
+        why = "memwrap has no optimizer that reproduces it exactly"
+    warnings.warn(
+        f"Trainer keeps its own optimizer for TrainingArguments(optim={name!r})"
+        f"{' and memwrap only applies checkpointing' if checkpointing else ''}: {why}. To use a memwrap optimizer "
+        f"anyway, pass optim='...' explicitly to memwrap_trainer_kwargs.", UserWarning, stacklevel=4)
+
+
+def _differs_from_trainer(optim: str, spec: Any, args: Any) -> None:
+    """Warn when an explicit ``optim`` is not what Trainer builds under that name, or its lr means something else."""
+    from memwrap.registry import ConversionWarning
+
+    name = _key(optim)
+    if name in _SAME_AS_TRAINER or spec.name in _TRAINER_BETAS:
+        return  # built exactly as Trainer builds that family
+    if name not in _TRAINER_MEANING and not spec.conversion_note:
+        return
+    trainer = f" Trainer's own optim={name!r} is {_TRAINER_MEANING[name]}." if name in _TRAINER_MEANING else ""
+    warnings.warn(
+        f"optim={optim!r} builds memwrap's {spec.name!r} ({(spec.description or spec.name).rstrip('.')}) with "
+        f"lr=learning_rate={args.learning_rate!r}.{trainer} {spec.conversion_note}".rstrip(),
+        ConversionWarning, stacklevel=4)
 
 
 def memwrap_trainer_kwargs(model: nn.Module, args: Any = None, *, optim: str | None = None, checkpoint: Any = None,
@@ -91,45 +173,87 @@ def memwrap_trainer_kwargs(model: nn.Module, args: Any = None, *, optim: str | N
     """Keyword arguments for ``transformers.Trainer`` that use memwrap's optimizer and checkpointing.
 
     Args:
-        model: the model given to Trainer; checkpointing is applied to it now, in place.
-        args: the ``TrainingArguments`` (for ``learning_rate``, Adam betas/epsilon and the default
-            ``optim``); checked for conflicts with ``checkpoint``.
-        optim: memwrap optimizer name or alias; default ``args.optim`` (HF strings such as
-            ``"adamw_bnb_8bit"`` resolve to memwrap's ``adamw_8bit``).
+        model: the model given to Trainer (not a ``memwrap.wrap``'ped one); checkpointing is applied
+            to it now, in place.
+        args: the ``TrainingArguments`` (required): ``learning_rate``, Adam betas/epsilon and the
+            default ``optim``; checked for conflicts with ``checkpoint``.
+        optim: memwrap optimizer name or alias. Default: ``args.optim`` when memwrap builds exactly
+            Trainer's optimizer for it (``adamw_torch``, ``adamw_torch_fused``, ``adamw_bnb_8bit``/
+            ``adamw_8bit``, ``paged_adamw_8bit``, ``lion_8bit``); for any other ``args.optim``
+            Trainer keeps its own optimizer (one warning says so) and only checkpointing is applied.
         checkpoint: a memwrap checkpoint option (``"auto"``, ``"selective"``, ``"every-2"``, a class set, ...);
             ``None`` leaves checkpointing alone. Needs ``gradient_checkpointing=False``
             (``activation_checkpointing`` in transformers 5) in ``args``.
         **optimizer_kwargs: hyperparameters overriding those taken from ``args``.
 
     Returns:
-        ``{"optimizer_cls_and_kwargs": (cls, kwargs)}``: pass it on with ``Trainer(..., **kwargs)``.
+        ``{"optimizer_cls_and_kwargs": (cls, kwargs)}``, or ``{}`` when Trainer keeps its own
+        optimizer: pass it on with ``Trainer(..., **kwargs)``.
 
     Example:
         >>> kwargs = memwrap_trainer_kwargs(model, args, optim="adamw_bnb_8bit", checkpoint="selective")  # doctest: +SKIP
         >>> Trainer(model=model, args=args, train_dataset=ds, **kwargs).train()  # doctest: +SKIP
     """
-    from memwrap.registry import get_optimizer_spec
-
-    if args is not None:
-        _check_args(args, checkpoint)
-    name = _optim_name(optim, args)
-    spec = get_optimizer_spec(name)
-    ok, hint = spec.available()
-    if not ok:  # fail before Trainer's setup, not at its first step
-        from memwrap.registry import OptimizerUnavailableError
-
-        raise OptimizerUnavailableError(f"optimizer {spec.name!r} is not available: {hint}")
+    _check_model(model)
+    _check_args(args, checkpoint)
+    # Every check runs before checkpointing touches the model, so a refused call leaves it as it was.
+    built = _optimizer_kwargs(model, args, optim, checkpoint, optimizer_kwargs)
     if checkpoint is not None and checkpoint is not False:
         from memwrap.checkpointing import apply_checkpointing, parse_checkpoint_option
 
         how = parse_checkpoint_option(checkpoint)
         if how is not None:
             apply_checkpointing(model, **how)
-    hyperparameters = {**_hyperparameters(spec, args), **optimizer_kwargs}
+    return built
+
+
+def _optimizer_kwargs(model: nn.Module, args: Any, optim: str | None, checkpoint: Any,
+                      overrides: dict[str, Any]) -> dict[str, Any]:
+    from memwrap.registry import OptimizerUnavailableError, get_optimizer_spec
+
+    if optim is not None:
+        spec = get_optimizer_spec(optim)
+        extra = dict(_SAME_AS_TRAINER.get(_key(optim), (None, {}))[1])
+        _differs_from_trainer(optim, spec, args)
+    else:
+        found = _trainer_equivalent(args)
+        if found is None:
+            if overrides:  # they were meant for memwrap's optimizer, which is not built: never drop them silently
+                raise TypeError(
+                    f"optimizer keyword arguments {sorted(overrides)} were given, but Trainer keeps its own optimizer "
+                    f"for optim={_plain(getattr(args, 'optim', None))!r}. Fix: pass optim='...' to build a memwrap "
+                    "optimizer, or set them in TrainingArguments (optim_args).")
+            _keep_trainer_optimizer_warning(args, checkpoint not in (None, False))
+            return {}
+        spec, extra = found
+    ok, hint = spec.available()
+    if not ok:  # fail before Trainer's setup, not at its first step
+        raise OptimizerUnavailableError(f"optimizer {spec.name!r} is not available: {hint}")
+    hyperparameters = {**_hyperparameters(spec, args), **extra, **overrides}
     return {"optimizer_cls_and_kwargs": (memwrap_optimizer_class(spec.name, model), hyperparameters)}
 
 
+def _check_model(model: Any) -> None:
+    from memwrap.module import WrappedModule
+
+    # Trainer accumulates, scales and clips itself: a wrap()'ped model (with its wrapped optimizer) would do it
+    # a second time, e.g. one real update per gradient_accumulation_steps**2 micro-batches.
+    if isinstance(model, WrappedModule):
+        raise TypeError(
+            "the model is memwrap.wrap()'ped; Trainer already does accumulation, mixed precision and clipping, so "
+            "wrap()'s would apply twice. Fix: give Trainer the plain model (memwrap.unwrap(model)) and its own "
+            "optimizer, and use memwrap_trainer_kwargs(model, args, optim=..., checkpoint=...) instead of wrap().")
+
+
 def _check_args(args: Any, checkpoint: Any) -> None:
+    if args is None:
+        # Without them the optimizer would silently train with the backend's lr/betas/eps, not the run's.
+        raise TypeError(
+            "memwrap_trainer_kwargs needs the TrainingArguments (learning_rate, adam_beta1/2, adam_epsilon, optim, "
+            "gradient_checkpointing). Fix: memwrap_trainer_kwargs(model, args, optim=..., checkpoint=...) with the "
+            "same args given to Trainer.")
+    if isinstance(args, type):
+        raise TypeError("pass a TrainingArguments instance, not the class")
     # transformers 5 renamed gradient_checkpointing to activation_checkpointing (the old name is an alias).
     hf_name = next((n for n in ("activation_checkpointing", "gradient_checkpointing") if getattr(args, n, False)), None)
     if checkpoint not in (None, False) and hf_name is not None:
@@ -138,17 +262,17 @@ def _check_args(args: Any, checkpoint: Any) -> None:
             f"(memwrap's hooks and Hugging Face's own). Fix: set {hf_name}=False and let memwrap checkpoint, or "
             "drop checkpoint= to keep Hugging Face's."
         )
-    if isinstance(args, type):
-        raise TypeError("pass a TrainingArguments instance, not the class")
 
 
 def wrap_options(args: Any, **overrides: Any) -> dict[str, Any]:
     """``memwrap.wrap`` options for a plain loop from a ``TrainingArguments`` (e.g. the seeds' template).
 
-    Reads ``gradient_accumulation_steps``, ``fp16``/``bf16``/``tf32``, ``gradient_checkpointing``,
-    ``optim`` and ``max_grad_norm`` (see :func:`memwrap.options_from`); ``overrides`` win. Fields a
-    plain loop handles itself (batch size, ``torch_compile``, data-loader settings) are named in one
-    warning when they differ from the defaults, so nothing is silently dropped.
+    Reads ``gradient_accumulation_steps``, ``fp16``/``bf16``/``tf32``, ``gradient_checkpointing``
+    (``activation_checkpointing``), ``optim`` and ``max_grad_norm`` (see :func:`memwrap.options_from`);
+    ``overrides`` win, under memwrap's or Hugging Face's names. Every other field that differs from
+    its default (learning rate, Adam betas/epsilon, weight decay, scheduler, batch size,
+    ``torch_compile``, Trainer-only settings, ...) is named in one warning, grouped by where a plain
+    loop must apply it: ``wrap()`` applies none of them, and nothing is silently dropped.
 
     Example:
         >>> from types import SimpleNamespace
@@ -158,25 +282,65 @@ def wrap_options(args: Any, **overrides: Any) -> dict[str, Any]:
     from memwrap.config import options_from, parse_options
 
     options = options_from(args)
-    options = {k: getattr(v, "value", v) for k, v in options.items()}  # plain strings, not HF enums
+    options = {k: _plain(v) for k, v in options.items()}  # plain strings, not HF enums
     # Overrides given under memwrap's names replace the Hugging Face names they alias.
     for alias, target in (("gradient_accumulation_steps", "accumulate"), ("gradient_checkpointing", "checkpoint"),
-                          ("fp16", "precision"), ("bf16", "precision"), ("tf32", "precision")):
+                          ("activation_checkpointing", "checkpoint"), ("fp16", "precision"), ("bf16", "precision"),
+                          ("tf32", "precision")):
         if target in overrides:
             options.pop(alias, None)
     options = {**options, **overrides}
     parse_options(**options)
-    ignored = [f"{name}={getattr(args, name)!r}" for name in _LOOP_FIELDS if _differs(args, name)]
-    if ignored:
-        warnings.warn(
-            f"TrainingArguments fields with no wrap() equivalent, to handle in your loop: {', '.join(ignored)} "
-            "(batch size and workers go to your DataLoader, torch_compile is torch.compile(model)).",
-            stacklevel=2,
-        )
+    _warn_unapplied(args)
     return options
 
 
-def _differs(args: Any, name: str) -> bool:
-    defaults = {"per_device_train_batch_size": 8, "torch_compile": False, "dataloader_pin_memory": True,
-                "dataloader_num_workers": 0}
-    return hasattr(args, name) and getattr(args, name) != defaults[name]
+def _warn_unapplied(args: Any) -> None:
+    changed = _changed_fields(args)
+    if not changed:
+        return
+    parts = []
+    for home, names in _LOOP_HOMES:
+        mine = [f"{n}={changed.pop(n)}" for n in names if n in changed]
+        if mine:
+            parts.append(f"{home}: {', '.join(mine)}")
+    if changed:
+        parts.append(f"other Trainer settings (apply those your loop needs, e.g. seed): "
+                     f"{', '.join(f'{n}={v}' for n, v in changed.items())}")
+    warnings.warn(f"TrainingArguments fields that wrap() does not apply, to handle in your loop: {'; '.join(parts)}.",
+                  UserWarning, stacklevel=3)
+
+
+def _changed_fields(args: Any) -> dict[str, str]:
+    """``{field: short repr}`` of every field wrap() does not read whose value is not Hugging Face's default."""
+    from memwrap.config import HF_ALIASES
+
+    defaults = _defaults(args)
+    changed = {}
+    for name, default in defaults.items():
+        if name in HF_ALIASES or name == "output_dir" or not hasattr(args, name):
+            continue
+        value = getattr(args, name)
+        if _plain(value) == _plain(default):
+            continue
+        if name in _MIRRORED and getattr(args, _MIRRORED[name], None) == value:
+            continue
+        text = repr(_plain(value))
+        changed[name] = text if len(text) <= 60 else text[:57] + "..."
+    return changed
+
+
+def _defaults(args: Any) -> dict[str, Any]:
+    """Field defaults to compare ``args`` with: a default instance of its class where one can be built."""
+    if not dataclasses.is_dataclass(args):
+        return dict(_HF_DEFAULTS)  # duck-typed: only the fields whose default is known
+    fields = [f for f in dataclasses.fields(args) if f.init]
+    try:
+        # __post_init__ normalizes values (report_to, accelerator_config, ...): compare like with like.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            reference = type(args)(output_dir=getattr(args, "output_dir", None))
+        return {f.name: getattr(reference, f.name) for f in fields}
+    except Exception:  # a subclass with required fields: the declared defaults will do
+        return {f.name: f.default if f.default is not dataclasses.MISSING else
+                (f.default_factory() if f.default_factory is not dataclasses.MISSING else None) for f in fields}

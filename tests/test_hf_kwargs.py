@@ -1,0 +1,184 @@
+"""memwrap_trainer_kwargs and wrap_options against Trainer's own meaning of TrainingArguments (CPU, tiny LLaMA)."""
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import memwrap
+from memwrap.checkpointing import is_checkpointed
+from memwrap.registry import ConversionWarning
+
+HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed")
+needs_bnb = pytest.mark.skipif(not HAS_BNB, reason="bitsandbytes not installed")
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
+
+
+def hf_args(tmp_path, **kw):
+    from transformers import TrainingArguments
+
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+                learning_rate=1e-3, weight_decay=0.1, use_cpu=True, report_to=[], save_strategy="no",
+                logging_strategy="no", disable_tqdm=True, seed=0, data_seed=0)
+    return TrainingArguments(**{**base, **kw})
+
+
+def train(tmp_path, use_memwrap: bool, **args_kw):
+    """Three Trainer steps; with memwrap, its kwargs come from args alone (checkpoint='auto', no optim=)."""
+    from transformers import Trainer
+
+    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+
+    model, args = tiny_llama(), hf_args(tmp_path, **args_kw)
+    extra = memwrap_trainer_kwargs(model, args, checkpoint="auto") if use_memwrap else {}
+    ids = torch.randint(0, 128, (12, 8), generator=torch.Generator().manual_seed(0))
+    trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": x, "labels": x} for x in ids], **extra)
+    trainer.train()
+    return model, getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate wraps it
+
+
+def memwrap_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "memwrap" in str(w.message) or issubclass(w.category, ConversionWarning)]
+
+
+# --- args.optim: taken over only where memwrap builds exactly Trainer's optimizer ---------------
+
+@pytest.mark.parametrize("optim", [
+    "adafactor",  # transformers.Adafactor(relative_step=False) in Trainer, torch.optim.Adafactor in memwrap
+    pytest.param("lion_8bit", marks=needs_bnb),  # Trainer passes adam_beta1/2 as Lion's betas
+    "sgd",  # memwrap has no SGD: checkpointing alone must still work
+    "adamw_torch_fused",
+])
+def test_args_optim_trains_exactly_like_plain_trainer(tmp_path, optim):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the "Trainer keeps its own optimizer" note is checked below
+        ours, ours_opt = train(tmp_path / "a", True, optim=optim)
+    theirs, theirs_opt = train(tmp_path / "b", False, optim=optim)
+    # Trainer's Lion(optim_bits=8) is memwrap's Lion8bit; every other class is the very same.
+    assert type(ours_opt).__name__.removesuffix("8bit") == type(theirs_opt).__name__
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=name)
+    assert [n for n, m in ours.named_modules() if is_checkpointed(m)] == ["model.layers.0", "model.layers.1"]
+
+
+@pytest.mark.parametrize("optim", ["adafactor", "sgd", "adagrad", "rmsprop", "paged_adamw_32bit"])
+def test_other_args_optim_keeps_trainers_optimizer_and_says_so(tmp_path, optim):
+    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+
+    model = tiny_llama()
+    with pytest.warns(UserWarning, match=f"Trainer keeps its own optimizer for TrainingArguments\\(optim='{optim}'\\) "
+                                         "and memwrap only applies checkpointing"):
+        assert memwrap_trainer_kwargs(model, hf_args(tmp_path, optim=optim), checkpoint="auto") == {}
+    assert is_checkpointed(model.model.layers[0])
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused", pytest.param("adamw_bnb_8bit", marks=needs_bnb),
+                                   pytest.param("paged_adamw_8bit", marks=needs_bnb),
+                                   pytest.param("lion_8bit", marks=needs_bnb)])
+def test_args_optim_taken_over_silently_with_trainers_hyperparameters(tmp_path, optim):
+    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+
+    args = hf_args(tmp_path, optim=optim, learning_rate=2e-4, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _, hyperparameters = memwrap_trainer_kwargs(tiny_llama(), args)["optimizer_cls_and_kwargs"]
+    assert not memwrap_warnings(record)
+    expected = {"lr": 2e-4, "betas": (0.8, 0.95)}  # what transformers.trainer_optimizer passes for these names
+    if optim != "lion_8bit":
+        expected["eps"] = 1e-6
+    if optim == "adamw_torch_fused":
+        expected["fused"] = True
+    assert hyperparameters == expected
+
+
+def test_explicit_optim_with_other_lr_meaning_warns(tmp_path):
+    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+
+    with pytest.warns(ConversionWarning, match=r"(?s)transformers\.Adafactor.*lr caps a relative step"):
+        kwargs = memwrap_trainer_kwargs(tiny_llama(), hf_args(tmp_path), optim="adafactor")
+    cls, hyperparameters = kwargs["optimizer_cls_and_kwargs"]
+    assert type(cls(torch.nn.Linear(2, 2).parameters(), **hyperparameters)) is torch.optim.Adafactor  # as asked
+
+
+def test_optimizer_kwargs_for_an_optimizer_not_built_raise(tmp_path):
+    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+
+    model = tiny_llama()
+    with pytest.raises(TypeError, match="momentum.*Trainer keeps its own optimizer"):
+        memwrap_trainer_kwargs(model, hf_args(tmp_path, optim="sgd"), checkpoint="auto", momentum=0.9)
+    assert not any(is_checkpointed(m) for m in model.modules())
+
+
+def test_args_are_required(tmp_path):
+    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+
+    model = tiny_llama()
+    for kwargs in ({"optim": "adamw"}, {"optim": "adamw", "checkpoint": "auto"}, {"checkpoint": "auto"}):
+        # Without args the optimizer would train at the backend's lr (1e-3), not the run's learning_rate.
+        with pytest.raises(TypeError, match=r"needs the TrainingArguments.*memwrap_trainer_kwargs\(model, args"):
+            memwrap_trainer_kwargs(model, **kwargs)
+    assert not any(is_checkpointed(m) for m in model.modules())
+
+
+def test_wrapped_model_is_refused(tmp_path):
+    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+
+    model = tiny_llama()
+    wrapped, _ = memwrap.wrap(model, torch.optim.AdamW(model.parameters()), accumulate=2)
+    with pytest.raises(TypeError, match=r"wrap\(\)'ped.*memwrap\.unwrap\(model\)"):
+        memwrap_trainer_kwargs(wrapped, hf_args(tmp_path), checkpoint="auto")
+
+
+# --- wrap_options: every unapplied field named, overrides win --------------------------------
+
+def test_wrap_options_names_every_field_wrap_does_not_apply(tmp_path):
+    from memwrap.integrations.transformers import wrap_options
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing_kwargs is deprecated in v5
+        template = hf_args(tmp_path, gradient_accumulation_steps=8, optim="adamw_bnb_8bit", learning_rate=2e-4,
+                           adam_beta2=0.95, adam_epsilon=1e-6, lr_scheduler_type="cosine", warmup_steps=10,
+                           gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.warns(UserWarning) as record:
+        options = wrap_options(template)
+    assert options["gradient_accumulation_steps"] == 8 and options["optim"] == "adamw_bnb_8bit"
+    (message,) = [str(w.message) for w in record if "wrap() does not apply" in str(w.message)]
+    for field in ("learning_rate=0.0002", "weight_decay=0.1", "adam_beta2=0.95", "adam_epsilon=1e-06",
+                  "lr_scheduler_type='cosine'", "warmup_steps=10", "max_steps=3", "per_device_train_batch_size=2",
+                  "activation_checkpointing_kwargs={'use_reentrant': True}", "seed=0"):
+        assert field in message, field
+    for name in ("output_dir", "gradient_checkpointing_kwargs", "gradient_accumulation_steps", "optim=", "adam_beta1"):
+        assert name not in message, name  # output_dir, a mirrored alias, fields wrap() reads, defaults
+
+
+def test_wrap_options_is_silent_for_a_default_template(tmp_path):
+    from transformers import TrainingArguments
+
+    from memwrap.integrations.transformers import wrap_options
+
+    template = TrainingArguments(output_dir=str(tmp_path), gradient_accumulation_steps=4)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert wrap_options(template)["gradient_accumulation_steps"] == 4
+    assert not [w for w in record if "wrap() does not apply" in str(w.message)]
+    with pytest.warns(UserWarning, match="learning_rate=0.001"):  # duck-typed: the known HF defaults
+        wrap_options(SimpleNamespace(gradient_accumulation_steps=2, learning_rate=1e-3, weight_decay=0.0))
+
+
+@pytest.mark.parametrize("name", ["gradient_checkpointing", "activation_checkpointing"])
+@pytest.mark.parametrize("override", [False, None, "selective"])
+def test_wrap_options_checkpoint_override_wins_over_either_hf_name(name, override):
+    from memwrap.integrations.transformers import wrap_options
+
+    assert wrap_options(SimpleNamespace(**{name: True}), checkpoint=override) == {"checkpoint": override}
