@@ -6,6 +6,7 @@ skips the update (counted, reported), and updates the GradScaler.
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any
 
@@ -34,6 +35,46 @@ def check_params_in_model(model: torch.nn.Module, params: list[torch.Tensor]) ->
             "the model passed to wrap(). Their gradients would not be weighted per micro-batch. Fix: build the "
             "optimizer from this model's parameters (a module trained alongside belongs inside the wrapped model)."
         )
+
+
+def _refuse_outer_accumulation(accumulate: int) -> None:
+    """Refuse accumulation counted twice: memwrap's and a trainer's (Hugging Face Trainer, accelerate).
+
+    Only the frames that called this ``step()`` are looked at: accelerate's state is process-wide and
+    outlives a Trainer run (a notebook that ran Trainer with gradient_accumulation_steps=2 and then a
+    plain loop must not be refused). memwrap never imports transformers or accelerate for this.
+    """
+    if accumulate == 1:
+        return
+    outer = _outer_accumulation(sys._getframe(2))
+    if outer > 1:
+        raise ValueError(
+            f"memwrap's accumulate={accumulate} and the trainer's gradient_accumulation_steps={outer} are both "
+            "active: every update would cover accumulate x gradient_accumulation_steps micro-batches while the "
+            "trainer counts only its own. Fix: keep one of them; inside Hugging Face Trainer use "
+            "memwrap.integrations.transformers.memwrap_trainer_kwargs and Trainer's gradient_accumulation_steps, "
+            "and pass Trainer the unwrapped model."
+        )
+
+
+def _outer_accumulation(frame: Any, depth: int = 12) -> int:
+    trainer_module = sys.modules.get("transformers.trainer")
+    state = sys.modules.get("accelerate.state")
+    found = 1
+    for _ in range(depth):
+        if frame is None:
+            break
+        caller = frame.f_locals.get("self")
+        try:
+            if trainer_module is not None and isinstance(caller, trainer_module.Trainer):
+                found = max(found, int(caller.args.gradient_accumulation_steps))
+            elif state is not None and type(caller).__name__ == "AcceleratedOptimizer":
+                kwargs = state.GradientState._shared_state.get("plugin_kwargs", {})
+                found = max(found, int(kwargs.get("num_steps", 1)))
+        except Exception:  # another layout of either library: nothing to read, nothing to refuse
+            pass
+        frame = frame.f_back
+    return found
 
 
 class WrappedOptimizer(torch.optim.Optimizer):
@@ -69,6 +110,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self._window_lrs: list[float] | None = None
         self._lr_warned = False
         self._no_backward_warned = False
+        self._outer_checked = False
 
     # --- shared state -----------------------------------------------------------------
     @property
@@ -142,6 +184,9 @@ class WrappedOptimizer(torch.optim.Optimizer):
                 "and backward passes belong to your loop. Call optimizer.step() without arguments."
             )
         self.did_update = False
+        if not self._outer_checked:
+            self._outer_checked = True
+            _refuse_outer_accumulation(self.gate.accumulate)
         self._check_backward_seen()
         first_in_window = self.gate.micro_step == 0  # read before tick(): a one-batch window is first and last
         closes = self.gate.tick()

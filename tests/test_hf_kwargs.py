@@ -182,3 +182,41 @@ def test_wrap_options_checkpoint_override_wins_over_either_hf_name(name, overrid
     from memwrap.integrations.transformers import wrap_options
 
     assert wrap_options(SimpleNamespace(**{name: True}), checkpoint=override) == {"checkpoint": override}
+
+
+def test_accumulation_in_memwrap_and_in_accelerate_at_once_is_refused(monkeypatch):
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.state import GradientState
+
+    def first_step(accumulate, through_accelerate=True):
+        net = torch.nn.Linear(2, 1)
+        model, opt = memwrap.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), accumulate=accumulate)
+        model(torch.ones(1, 2)).sum().backward()
+        if through_accelerate:
+            GradientState._shared_state["sync_gradients"] = True
+            AcceleratedOptimizer(opt, device_placement=False).step()
+        else:
+            opt.step()
+
+    # what Trainer(gradient_accumulation_steps=2) / Accelerator(gradient_accumulation_steps=2) leave in the state
+    accelerate.Accelerator(cpu=True)
+    monkeypatch.setitem(GradientState._shared_state, "plugin_kwargs", {"num_steps": 2})
+    with pytest.raises(ValueError, match="the trainer.s gradient_accumulation_steps=2 are both active"):
+        first_step(accumulate=2)
+    first_step(accumulate=1)  # only accelerate accumulates: fine
+    first_step(accumulate=2, through_accelerate=False)  # a plain loop after a Trainer run: the stale state is ignored
+    monkeypatch.setitem(GradientState._shared_state, "plugin_kwargs", {"num_steps": 1})
+    first_step(accumulate=2)  # only memwrap accumulates: fine
+
+
+def test_a_wrapped_pair_handed_to_trainer_with_its_own_accumulation_is_refused(tmp_path):
+    from transformers import Trainer
+
+    model = tiny_llama()
+    wm, wo = memwrap.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), accumulate=2)
+    ids = torch.randint(0, 128, (12, 8), generator=torch.Generator().manual_seed(0))
+    trainer = Trainer(model=wm, args=hf_args(tmp_path, remove_unused_columns=False), optimizers=(wo, None),
+                      train_dataset=[{"input_ids": x, "labels": x} for x in ids])
+    with pytest.raises(ValueError, match="accumulate=2 and the trainer's gradient_accumulation_steps=2"):
+        trainer.train()
