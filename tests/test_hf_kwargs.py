@@ -17,21 +17,12 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None
 needs_bnb = pytest.mark.skipif(not HAS_BNB, reason="bitsandbytes not installed")
 
 
+from tests.hf_helpers import hf_args  # noqa: E402
+from tests.hf_helpers import tiny_llama as _tiny_llama  # noqa: E402
+
+
 def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
-
-
-def hf_args(tmp_path, **kw):
-    from transformers import TrainingArguments
-
-    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
-                learning_rate=1e-3, weight_decay=0.1, use_cpu=True, report_to=[], save_strategy="no",
-                logging_strategy="no", disable_tqdm=True, seed=0, data_seed=0)
-    return TrainingArguments(**{**base, **kw})
+    return _tiny_llama(hidden=32)
 
 
 def train(tmp_path, use_memwrap: bool, **args_kw):
