@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import warnings
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from memwrap.accumulation import AccumulationGate
 from memwrap.precision import Precision
@@ -52,6 +54,7 @@ class WrappedModule(nn.Module):
         object.__setattr__(self, "checkpoint_report", None)
         object.__setattr__(self, "_opaque_warned", False)
         object.__setattr__(self, "_grad_input_warned", False)
+        object.__setattr__(self, "_output_nodes", collections.OrderedDict())
         # The inner module's keys, without a "module." prefix, so checkpoints stay interchangeable.
         self._register_state_dict_hook(_strip_prefix)
         self._register_load_state_dict_pre_hook(_add_prefix)
@@ -61,7 +64,7 @@ class WrappedModule(nn.Module):
         # dropout off) still needs its gradients weighted; an eval forward without backward never
         # fires the hooks, and no forward moves the window (only optimizer.step() does).
         training = torch.is_grad_enabled()
-        if training:
+        if training and (self._gate.accumulate > 1 or self._scaler.is_enabled()):  # else nothing is weighted
             args, kwargs, stray = self._unweight_inputs(args, kwargs)
             if stray is not None:
                 self._warn_grad_input(stray)
@@ -77,23 +80,44 @@ class WrappedModule(nn.Module):
         # An output of an earlier call fed back in (an RNN cell, an unrolled or iterative model): the
         # gradient reaching it through this call was already weighted by this call's output hook, and its
         # own hook will weight it again. An alias that divides by its factor keeps one weighting per path.
-        stray: list[tuple] = []
+        # The arguments are only scanned; they are rebuilt only when one of them is such an output, so a
+        # model that fills in a dict or list it was given still fills in the caller's object.
+        grad_inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not grad_inputs:
+            return args, kwargs, None
+        fed_back = [t for t in grad_inputs if getattr(t, "_memwrap_hook", None) is not None]
+        derived = next((t for t in grad_inputs
+                        if getattr(t, "_memwrap_hook", None) is None and self._reaches_an_output(t)), None)
+        stray = tuple(derived.shape) if derived is not None else None
+        if not any(t._memwrap_hook.factor is not None and not t._memwrap_hook.zero for t in fed_back):
+            return args, kwargs, stray
 
         def unweight(t: torch.Tensor) -> torch.Tensor:
-            if not t.requires_grad:
-                return t
             hook = getattr(t, "_memwrap_hook", None)
-            if hook is None:
-                stray.append(tuple(t.shape))
-                return t
-            if hook.factor is None or hook.zero:
+            if hook is None or hook.factor is None or hook.zero or not t.requires_grad:
                 return t
             alias = t.view_as(t)
             alias.register_hook(_GradScale(hook.factor, hook.bypass, hook.gate, inverse=True))
             return alias
 
-        args, kwargs = map_outputs(args, unweight), map_outputs(kwargs, unweight)
-        return args, kwargs, (stray[0] if stray else None)
+        return map_outputs(args, unweight), map_outputs(kwargs, unweight), stray
+
+    def _reaches_an_output(self, t: torch.Tensor, budget: int = 64) -> bool:
+        """Whether ``t``'s autograd history reaches an output alias of this model within ``budget`` nodes.
+
+        Bounded on purpose: an input built from a large graph (an upstream network) is not searched
+        through; only the short paths of a loop feeding outputs back are.
+        """
+        seen, frontier = set(), [t.grad_fn]
+        while frontier and len(seen) < budget:
+            node = frontier.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            if id(node) in self._output_nodes:
+                return True
+            frontier.extend(fn for fn, _ in node.next_functions)
+        return False
 
     # Both read the window's state, which changes between micro-batches: under torch.compile they
     # must run eagerly every call, or the first micro-batch's weight and sync decision get baked in.
@@ -110,15 +134,28 @@ class WrappedModule(nn.Module):
         # optimizer.step() that this micro-batch had its backward.
         needs_hook = factor is not None or (training and self._gate.accumulate > 1)
         hook = _GradScale(factor, self._hooks_bypassed, self._gate, zero=self._gate.weight() == 0) if needs_hook else None
-        hooked = [0]
+        hooked, tensors = [0], [0]
 
         def finish(t: torch.Tensor) -> torch.Tensor:
             out = _finish_output(t, hook)
-            hooked[0] += out is not t and hook is not None and t.requires_grad
+            tensors[0] += 1
+            if out is not t and hook is not None and t.requires_grad:
+                hooked[0] += 1
+                self._remember_output(out.grad_fn)
             return out
 
         outputs = map_outputs(outputs, finish)
-        return outputs, bool(needs_hook and not hooked[0] and outputs is not None)
+        # Only when no tensor was found at all: tensors that do not require grad (a frozen model run in
+        # grad mode) are a plain forward, not an output memwrap failed to see into.
+        return outputs, bool(needs_hook and not tensors[0] and outputs is not None)
+
+    def _remember_output(self, node: Any) -> None:
+        # Ids only (a reference would keep the graph alive), and a bounded number of them: an id reused
+        # after its node died can at worst cause one needless warning.
+        nodes = self._output_nodes
+        nodes[id(node)] = None
+        if len(nodes) > 4096:
+            nodes.popitem(last=False)
 
     # The warnings are raised from forward() itself, so that stacklevel=5 points at the user's model(...) call.
     def _warn_opaque(self, outputs: Any) -> None:
@@ -139,11 +176,10 @@ class WrappedModule(nn.Module):
             return
         object.__setattr__(self, "_grad_input_warned", True)
         warnings.warn(
-            f"model(...) got an input that requires grad (shape {shape}) and is not one of its own outputs. "
-            "If it was computed from an earlier output (a recurrent loop that feeds torch.cat([x, h]) back, say), "
-            "the gradient along that path is weighted once per call, not once. Outputs passed back unchanged are "
-            "handled. Fix: finish the micro-batch with memwrap.backward(loss, model), which weights the loss once "
-            "whatever the graph; for gradients with respect to inputs (penalties) see model.unweighted().",
+            f"model(...) got an input computed from one of its earlier outputs (shape {shape}), e.g. a recurrent "
+            "loop feeding torch.cat([x, h]) back: the gradient along that path is weighted once per call, not once "
+            "(outputs passed back unchanged are handled). Fix: finish the micro-batch with "
+            "memwrap.backward(loss, model), which weights the loss once whatever the graph.",
             stacklevel=5,
         )
 
@@ -195,11 +231,16 @@ class WrappedModule(nn.Module):
         """
         factor = self._grad_factor()
         self._gate.backward_seen = True
+        if self._gate.weight() == 0 and self._sync_context is None:
+            # A micro-batch without items adds nothing; its loss may be 0/0 = NaN, and NaN * 0 would poison
+            # the window. (Under DDP/FSDP the backward must still run for the collectives; see docs/faq.md.)
+            return
+        previous = self._hooks_bypassed.on
         self._hooks_bypassed.on = True
         try:
             (loss if factor is None else loss * factor).backward(**kwargs)
         finally:
-            self._hooks_bypassed.on = False
+            self._hooks_bypassed.on = previous
 
     def _grad_factor(self) -> float | torch.Tensor | None:
         weight = self._gate.weight()

@@ -57,7 +57,7 @@ def test_an_input_derived_from_an_output_warns_and_memwrap_backward_is_exact():
 
     run(ref, x).backward()
     m, o = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.0), accumulate=2)
-    with pytest.warns(UserWarning, match=r"input that requires grad.*memwrap.backward\(loss, model\)"):
+    with pytest.warns(UserWarning, match=r"input computed from one of its earlier outputs.*memwrap.backward\(loss, model\)"):
         memwrap.backward(run(m, x[:4]), m)
     o.step()
     memwrap.backward(run(m, x[4:]), m)
@@ -237,3 +237,76 @@ def test_a_one_batch_window_does_not_trip_the_lr_warning():
                 s.step()
                 o.zero_grad()
     assert o.updates == 6
+
+
+def test_the_model_fills_in_the_callers_own_containers():
+    class Collecting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 6)
+
+        def forward(self, x, cache, feats):
+            y = self.lin(x)
+            cache["y"] = y
+            feats.append(y)
+            return y
+
+    model = Collecting()
+    m, o = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp16", accumulate=2)
+    cache, feats = {}, []
+    m(torch.randn(2, 6), cache, feats=feats).sum().backward()
+    assert list(cache) == ["y"] and len(feats) == 1  # as without memwrap
+
+
+def test_inputs_that_require_grad_for_other_reasons_do_not_warn():
+    class Embedded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 6)
+            self.body = torch.nn.Linear(6, 6)
+
+        def forward(self, ids=None, inputs_embeds=None):
+            return self.body(self.embed(ids) if inputs_embeds is None else inputs_embeds)
+
+    model = Embedded()
+    m, o = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        emb = model.embed(torch.tensor([1, 2, 3])) * 1.5  # soft prompts / NEFTune: from the embedding, not an output
+        m(inputs_embeds=emb).sum().backward()
+        x = torch.randn(3, 6, requires_grad=True)  # input gradients (adversarial training)
+        m(inputs_embeds=x).sum().backward()
+        model.requires_grad_(False)  # a frozen phase run in grad mode: plain tensors, nothing to weight
+        m(torch.tensor([1, 2]))
+
+
+def test_memwrap_backward_keeps_an_enclosing_unweighted_block():
+    model = cell()
+    m, o = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2)
+    x = torch.randn(3, 6, requires_grad=True)
+    with m.unweighted():
+        memwrap.backward(m(torch.randn(3, 6)).sum(), m)
+        (g,) = torch.autograd.grad(m(x).sum(), x)
+    (plain,) = torch.autograd.grad(model(x).sum(), x)
+    assert torch.allclose(g, plain)  # still unweighted after memwrap.backward inside the block
+
+
+def test_memwrap_backward_of_an_empty_micro_batch_adds_nothing():
+    tokens = torch.randn(4, 3, 6, generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.float32)
+
+    def masked_mean(out, mk):
+        return (out.square().mean(-1) * mk).sum() / mk.sum()
+
+    ref, model = cell(), cell()
+    masked_mean(ref(tokens), mask).backward()
+    batches = [(tokens[i:i + 1], mask[i:i + 1]) for i in range(4)]
+    m, o, loader = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.0), batches, accumulate=4,
+                                count_items=lambda b: int(b[1].sum()))
+    for i, (tb, mb) in enumerate(loader):
+        memwrap.backward(masked_mean(m(tb), mb), m)
+        if i < 3:
+            o.step()
+    assert max_rel_err(grads(model), grads(ref)) < 1e-6
+    o.step()
+    assert o.updates == 1 and o.skipped == 0
