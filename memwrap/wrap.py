@@ -161,6 +161,11 @@ def _check_pairing(opts: Options, model: Any, optimizer: Any, kinds: dict[str, l
             "same wrap() call: the model weights gradients and the optimizer steps once per window. "
             "Fix: model, optimizer = memwrap.wrap(model, optimizer, ...)."
         )
+    if opts.monitor is not None and optimizer is None:
+        raise TypeError(
+            f"monitor={opts.monitor} logs peak memory every {opts.monitor} optimizer updates; no optimizer was given. "
+            "Fix: memwrap.wrap(model, optimizer, monitor=...), or use memwrap.MemoryMonitor yourself."
+        )
     if len(kinds["loader"]) > 1:
         raise TypeError(
             f"wrap() got {len(kinds['loader'])} data loaders; only the training loader may be wrapped: it plans the "

@@ -182,3 +182,30 @@ def test_parse_budget_rejects_with_the_accepted_forms(bad):
 def test_parse_budget_suggests_a_unit():
     with pytest.raises(ValueError, match="Did you mean unit 'gib'"):
         parse_budget("24 gibb")
+
+
+def test_factory_flags_that_would_be_ignored_are_refused(tmp_path, capsys):
+    base = ["memwrap.models:GPT", "--budget", "80GiB", "--quiet"]
+    assert run_cli([*base, "--input-shape", "2,16", "--input-dtype", "long", "--seq", "4096"]) == 2
+    assert "--seq 4096 applies to --preset models" in capsys.readouterr().err
+    assert run_cli([*base, "--input-shape", "2,16", "--input-high", "100"]) == 2
+    assert "needs --input-dtype long" in capsys.readouterr().err
+    assert run_cli(["--preset", "llama-tiny", "--budget", "1GiB", "--input-high", "100", "--quiet"]) == 2
+    assert "--input-high" in capsys.readouterr().err
+
+
+def test_a_policy_typo_exits_2_instead_of_being_skipped(capsys):
+    rc = run_cli(["--preset", "llama-tiny", "--batch", "2", "--seq", "32", "--budget", "4GiB", "--precisions", "fp32",
+                  "--checkpoints", "none,fulll", "--optimizers", "adamw", "--quiet"])
+    assert rc == 2 and "Did you mean 'full'" in capsys.readouterr().err
+
+
+def test_the_code_lines_stay_whole_on_a_narrow_terminal(monkeypatch, capsys):
+    pytest.importorskip("rich")
+    monkeypatch.setenv("COLUMNS", "60")
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True, raising=False)
+    rc = run_cli(["--preset", "llama-tiny", "--batch", "2", "--seq", "32", "--budget", "4GiB", "--top", "1", *FAST])
+    out = capsys.readouterr().out
+    assert rc == 0
+    code = next(line for line in out.splitlines() if line.startswith("model, optimizer = memwrap.wrap("))
+    compile(code.split("  #")[0], "<pasted>", "exec")  # one line, valid Python

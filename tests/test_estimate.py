@@ -35,7 +35,7 @@ def plain_step_state(model, batch):
     x, y = batch
     lm_loss(model(x), y).backward()
     params = list(model.parameters())
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in params)
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
     opt.step()
     return {"parameters": sum(p.numel() * p.element_size() for p in params), "gradients": grads,
             "optimizer_state": measure_state_bytes(opt)}
@@ -50,6 +50,23 @@ def test_category_totals_match_a_real_step_exactly():
     assert est.state["gradients"] == ref["gradients"]
     assert est.state["optimizer_state"] == ref["optimizer_state"]
     assert est.breakdown["parameters"] == ref["parameters"]
+
+
+@pytest.mark.parametrize("checkpoint", [None, "full"])
+def test_frozen_parameters_are_estimated_like_a_real_fine_tuning_step(checkpoint):
+    def frozen_gpt():
+        m = small_gpt()
+        m.transformer.wpe.requires_grad_(False)  # frozen position embeddings
+        m.transformer.h[0].requires_grad_(False)  # and a frozen first block, as in fine-tuning
+        return m
+
+    batch = lm_batch(2, 32, 512)
+    est = estimate(frozen_gpt, batch, checkpoint=checkpoint)
+    ref = plain_step_state(frozen_gpt(), batch)
+    assert est.state["gradients"] == ref["gradients"] < est.state["parameters"] == ref["parameters"]
+    assert est.state["optimizer_state"] == ref["optimizer_state"]
+    got = measure_peak(frozen_gpt, batch, lm_loss, checkpoint=checkpoint)
+    assert abs(got["peak"] / est.peak - 1) <= 0.05
 
 
 def test_model_storage_is_never_touched():

@@ -45,7 +45,7 @@ def test_summary_table_and_state_dict_round_trip():
     m.step(), m.step()
     text = m.summary()
     assert "peak_rss" in text and "max" in text.splitlines()[-1]
-    other = MemoryMonitor(every=3, device="cpu", log=None)
+    other = MemoryMonitor(every=1, device="cpu", log=None)
     other.load_state_dict(m.state_dict())
     assert other.records == m.records and other.every == 1 and other.count == 2
     other.step()
@@ -94,3 +94,22 @@ def test_cuda_records_allocator_peaks():
 def test_process_memory_reads_proc():
     mem = process_memory()
     assert mem["peak"] >= mem["rss"] > 0
+
+
+def test_resume_keeps_this_runs_every_and_the_clock():
+    first = MemoryMonitor(every=2, device="cpu", log=None)
+    for _ in range(4):
+        first.step()
+    state = first.state_dict()
+    second = MemoryMonitor(every=3, device="cpu", log=None)
+    with pytest.warns(UserWarning, match="saved with every=2"):
+        second.load_state_dict(state)
+    for _ in range(2):
+        second.step()
+    assert second.every == 3 and [r["update"] for r in second.records] == [2, 4, 6]
+    assert second.records[-1]["time_s"] >= second.records[1]["time_s"]  # the clock did not restart at 0
+
+
+def test_monitor_without_an_optimizer_is_refused():
+    with pytest.raises(TypeError, match="no optimizer was given"):
+        memwrap.wrap(torch.nn.Linear(2, 2), monitor=1)

@@ -123,6 +123,19 @@ def test_plan_input_errors():
         plan(factory, make_batch, budget="1GiB", global_batch=4, margin="big")
     with pytest.raises(ValueError, match="candidate keys"):
         plan(factory, make_batch, budget="1GiB", global_batch=4, candidates=[{"micro": 1}])
+    # a typo fails the plan with wrap()'s message; it is not a policy that "cannot run on this model"
+    with pytest.raises(ValueError, match="'fulll' is not a known policy. Did you mean 'full'"):
+        plan(factory, make_batch, budget="1GiB", global_batch=4, checkpoints=(None, "fulll"))
+    with pytest.raises(ValueError, match="every=0 is not valid"):
+        plan(factory, make_batch, budget="1GiB", global_batch=4, checkpoints=("every-0",))
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        plan(factory, make_batch, budget="1GiB", global_batch=4, precisions=("bf16", "fp8"), checkpoints=("full",))
+
+
+def test_none_names_no_checkpointing_as_in_the_docs():
+    p = plan(factory, make_batch, budget="64GiB", global_batch=2, micro_batches=(2,), precisions=("fp32",),
+             checkpoints=("none",), optimizers=("adamw",))
+    assert not p.skipped and [c.options.get("checkpoint") for c in p.candidates] == [None]
 
 
 def test_plan_serialises(grid):

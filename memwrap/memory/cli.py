@@ -43,7 +43,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                                          "(first number = batch)")
     p.add_argument("--input-dtype", default=None, choices=("float32", "long"),
                    help="dtype of --input-shape inputs (default float32; long: token ids in [0, --input-high))")
-    p.add_argument("--input-high", type=int, default=32000, help="upper bound of random token ids (--input-dtype long)")
+    p.add_argument("--input-high", type=int, default=None,
+                   help="upper bound of random token ids (--input-dtype long; default 32000)")
     p.add_argument("--micro-batches", help="comma-separated micro-batch sizes to try (default: powers of two)")
     p.add_argument("--precisions", default="bf16,fp32", help="comma-separated: fp32, tf32, bf16, fp16")
     p.add_argument("--checkpoints", default="none,selective,every-2,full,offload",
@@ -122,7 +123,8 @@ def _model_and_batches(args):
     if args.preset:
         from memwrap.models import get_preset, preset_batch
 
-        given = [f for f, v in (("--input-shape", args.input_shape), ("--input-dtype", args.input_dtype)) if v]
+        given = [f for f, v in (("--input-shape", args.input_shape), ("--input-dtype", args.input_dtype),
+                                ("--input-high", args.input_high)) if v is not None]
         if given:
             raise PlanInputError(f"{' and '.join(given)} apply to a model factory, not to --preset (a preset builds "
                                  f"its own inputs): drop {' and '.join(given)}, and use --batch and --seq.")
@@ -143,11 +145,17 @@ def _model_and_batches(args):
         raise PlanInputError(f"--input-shape {args.input_shape!r} must be comma-separated integers.") from None
     if any(d < 1 for d in shape):
         raise PlanInputError(f"--input-shape {args.input_shape!r} must hold sizes >= 1.")
+    if args.seq is not None:
+        raise PlanInputError(f"--seq {args.seq} applies to --preset models; a factory model's sequence length is "
+                             f"part of --input-shape (e.g. --input-shape {shape[0]},{args.seq}).")
+    if args.input_high is not None and args.input_dtype != "long":
+        raise PlanInputError("--input-high bounds random token ids; it needs --input-dtype long.")
     factory = load_factory(args.target)
     batch = shape[0] if args.batch is None else args.batch
     rest = shape[1:]
     if args.input_dtype == "long":
-        make = lambda mb: torch.randint(0, args.input_high, (mb, *rest))  # noqa: E731
+        high = 32000 if args.input_high is None else args.input_high
+        make = lambda mb: torch.randint(0, high, (mb, *rest))  # noqa: E731
     else:
         make = lambda mb: torch.randn(mb, *rest)  # noqa: E731
     return factory, make, batch, None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import resource
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -166,9 +167,14 @@ class MemoryMonitor:
 
     def state_dict(self) -> dict[str, Any]:
         return {"every": self.every, "count": self.count, "device": str(self.device),
-                "records": [dict(r) for r in self.records]}
+                "records": [dict(r) for r in self.records], "elapsed_s": time.perf_counter() - self._t0}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.every = int(state["every"])
+        """Resume the records and the clock; the ``every`` of this run (the one passed now) is kept."""
+        if int(state["every"]) != self.every:
+            warnings.warn(f"the memory monitor was saved with every={state['every']}; this run logs every "
+                          f"{self.every} updates, as asked.", stacklevel=2)
         self.count = int(state["count"])
         self.records = [dict(r) for r in state["records"]]
+        # time_s keeps counting from where the saved run stopped instead of going back to 0
+        self._t0 = time.perf_counter() - float(state.get("elapsed_s", 0.0))

@@ -295,6 +295,8 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
         raise ValueError("no candidate to evaluate: precisions, checkpoints and optimizers must not be empty.")
     for s in specs:
         s["optim"] = get_optimizer_spec(s["optim"]).name
+        s["checkpoint"] = _checkpoint_spec(s["checkpoint"])
+    _validate(specs, max_grad_norm)
 
     groups: dict[tuple, list[dict]] = {}
     for s in specs:
@@ -322,7 +324,8 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
         except ValueError as exc:
             if first["checkpoint"] is None:
                 raise
-            # e.g. checkpoint="full" on a model without repeated blocks: skip the policy, keep planning.
+            # The options are valid (checked above), so this is about the model: e.g. checkpoint="full" on a
+            # model without repeated blocks. Skip the policy, keep planning.
             skipped += [(f"{m['micro_batch']}x{options['accumulate']} {m['precision']} {m['checkpoint']} {m['optim']}",
                          str(exc)) for m in members]
             done += 1
@@ -367,3 +370,25 @@ def _candidate(spec: dict, options: dict, est: Estimate, margin: Margin, budget:
     return Candidate(spec["micro_batch"], options["accumulate"], spec["precision"], spec["checkpoint"],
                      spec["optim"], est, extra, est.peak + extra <= budget, sum(terms.values()), terms,
                      extra=others)
+
+
+def _checkpoint_spec(value: Any) -> Any:
+    # "none" is how the docs and the CLI name "no checkpointing"; wrap() itself only takes None/False.
+    if isinstance(value, str) and value.lower() in ("none", "no", "off"):
+        return None
+    return value
+
+
+def _validate(specs: list[dict], max_grad_norm: float | None) -> None:
+    """Reject invalid options before tracing, with wrap()'s own messages: a typo ("fulll", "fp8") must
+    fail the plan, not be reported as a policy that "cannot run on this model"."""
+    from memwrap.checkpoint_policies import parse_checkpoint_option
+    from memwrap.config import parse_options
+
+    seen = set()
+    for s in specs:
+        key = (s["precision"], repr(s["checkpoint"]))
+        if key not in seen:
+            seen.add(key)
+            parse_options(precision=s["precision"], checkpoint=s["checkpoint"], max_grad_norm=max_grad_norm)
+            parse_checkpoint_option(s["checkpoint"])

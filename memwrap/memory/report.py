@@ -73,7 +73,8 @@ def print_plan(plan: Any, console: Any = None, limit: int | None = None) -> None
     table = Table(title=f"memwrap plan: budget {gib(plan.budget)} GiB, global batch {plan.global_batch}, "
                         f"margin {plan.margin.fraction:.0%} + {gib(plan.margin.fixed)} GiB, {plan.seconds:.1f} s")
     for i, col in enumerate(TABLE_COLUMNS):
-        table.add_column(col, justify="left" if i == 1 else "right")
+        # the candidate's name and its cost are read as wholes: never wrapped or cut on a narrow terminal
+        table.add_column(col, justify="left" if i == 1 else "right", no_wrap=col in ("candidate", "cost"))
     for row in plan_rows(plan)[:limit]:
         style = None if row[9] == "yes" else "dim"
         table.add_row(*row, style=style)
@@ -83,7 +84,8 @@ def print_plan(plan: Any, console: Any = None, limit: int | None = None) -> None
     for line in _skipped_lines(plan):
         console.print(line, markup=False)
     console.print(plan.verdict)
-    console.print(plan.code(), markup=False, highlight=False)
+    # soft_wrap: the two lines to paste must stay two lines, whatever the terminal's width
+    console.print(plan.code(), markup=False, highlight=False, soft_wrap=True)
 
 
 def plot_plan(plan: Any, path: str, limit: int | None = None) -> str:

@@ -155,6 +155,14 @@ def _is_bw() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOKS = (_NoHook(), _NoHook())
+
+
 class _SegmentTracker(MemTracker):
     """MemTracker that also keeps the maximum of every (micro-batch, phase, position) segment."""
 
@@ -170,6 +178,15 @@ class _SegmentTracker(MemTracker):
         from torch.utils.flop_counter import flop_registry
 
         self._flop_registry = flop_registry
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):
+        # torch's MemTracker hooks every parameter's gradient, and register_hook refuses a frozen parameter
+        # (fine-tuning, LoRA, frozen embeddings). Frozen ones are marked as hooked already: they get no
+        # gradient to track anyway.
+        for param in module.parameters():
+            if not param.requires_grad and self._param_to_grad_hook_handles.get(param, None) is None:
+                self._param_to_grad_hook_handles[param] = _NO_HOOKS
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def key(self) -> tuple:
         if self._in_opt:
