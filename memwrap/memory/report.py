@@ -11,41 +11,67 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["plan_rows", "plan_table", "print_plan", "plot_plan", "gib", "TABLE_COLUMNS"]
+__all__ = ["plan_rows", "plan_table", "print_plan", "plot_plan", "gib", "table_unit", "TABLE_COLUMNS"]
 
 TABLE_COLUMNS = ("#", "candidate", "params", "grads", "opt state", "activations", "temp+other", "peak GiB",
                  "+margin", "fits", "cost")
 
 
 def gib(n: int | float) -> str:
-    """Bytes as GiB with two decimals (the table's unit)."""
+    """Bytes as GiB with two decimals (the budget's unit)."""
     return f"{n / 2**30:.2f}"
+
+
+_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def table_unit(plan: Any) -> tuple[str, int]:
+    """The memory columns' unit: the largest in which the biggest predicted peak is at least 1, so a small
+    model's table does not read 0.00 everywhere.
+
+    Example:
+        >>> from types import SimpleNamespace as NS
+        >>> table_unit(NS(candidates=[NS(estimate=NS(peak=300 * 2**20))]))
+        ('MiB', 1048576)
+    """
+    largest = max((c.estimate.peak for c in plan.candidates), default=0)
+    return next(((name, size) for name, size in _UNITS if largest >= size), _UNITS[-1])
+
+
+def table_columns(unit: str = "GiB") -> tuple[str, ...]:
+    return tuple(f"peak {unit}" if c == "peak GiB" else c for c in TABLE_COLUMNS)
 
 
 def plan_rows(plan: Any) -> list[list[str]]:
     """One row of strings per candidate, in rank order (columns: :data:`TABLE_COLUMNS`)."""
+    size = table_unit(plan)[1]
+
+    def u(n: int | float) -> str:
+        return f"{n / size:.2f}"
+
     rows = []
     for i, c in enumerate(plan.candidates, 1):
         b = c.estimate.breakdown
-        rows.append([str(i), c.label, gib(b["parameters"] + b["buffers"]), gib(b["gradients"]),
-                     gib(b["optimizer_state"]), gib(b["activations"]), gib(b["temporaries"] + b["other"]),
-                     gib(c.estimate.peak), gib(c.margin), "yes" if c.fits else "no", f"{c.cost:.2f}x"])
+        rows.append([str(i), c.label, u(b["parameters"] + b["buffers"]), u(b["gradients"]),
+                     u(b["optimizer_state"]), u(b["activations"]), u(b["temporaries"] + b["other"]),
+                     u(c.estimate.peak), u(c.margin), "yes" if c.fits else "no", f"{c.cost:.2f}x"])
     return rows
 
 
 def plan_table(plan: Any, limit: int | None = None) -> str:
     """The plan as a plain-text table, its verdict and the code to paste.
 
-    Memory columns are the categories at the peak, in GiB; ``cost`` is the predicted step time
+    Memory columns are the categories at the peak, in the unit of :func:`table_unit`; ``cost`` is the predicted step time
     relative to the fastest candidate (see :mod:`memwrap.memory.cost`).
     """
     rows = plan_rows(plan)[:limit]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(TABLE_COLUMNS)]
+    columns = table_columns(table_unit(plan)[0])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(columns)]
     fmt = "  ".join(f"{{:<{w}}}" if i == 1 else f"{{:>{w}}}" for i, w in enumerate(widths))
     lines = [f"memwrap plan: budget {gib(plan.budget)} GiB, global batch {plan.global_batch}, "
              f"{len(plan.candidates)} candidates, margin {plan.margin.fraction:.0%} of peak + "
              f"{gib(plan.margin.fixed)} GiB, planned in {plan.seconds:.1f} s",
-             fmt.format(*TABLE_COLUMNS), fmt.format(*("-" * w for w in widths))]
+             fmt.format(*columns), fmt.format(*("-" * w for w in widths))]
     lines += [fmt.format(*r) for r in rows]
     if limit is not None and len(plan.candidates) > limit:
         lines.append(f"... {len(plan.candidates) - limit} more")
@@ -72,7 +98,7 @@ def print_plan(plan: Any, console: Any = None, limit: int | None = None) -> None
     console = console or Console()
     table = Table(title=f"memwrap plan: budget {gib(plan.budget)} GiB, global batch {plan.global_batch}, "
                         f"margin {plan.margin.fraction:.0%} + {gib(plan.margin.fixed)} GiB, {plan.seconds:.1f} s")
-    for i, col in enumerate(TABLE_COLUMNS):
+    for i, col in enumerate(table_columns(table_unit(plan)[0])):
         # the candidate's name and its cost are read as wholes: never wrapped or cut on a narrow terminal
         table.add_column(col, justify="left" if i == 1 else "right", no_wrap=col in ("candidate", "cost"))
     for row in plan_rows(plan)[:limit]:
