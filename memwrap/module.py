@@ -9,7 +9,6 @@
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import warnings
@@ -24,6 +23,8 @@ from memwrap.accumulation import AccumulationGate
 from memwrap.precision import Precision
 
 __all__ = ["WrappedModule", "map_outputs"]
+
+_OUTPUT_MARK = "memwrap_output"  # autograd-node metadata key of the wrapped model's output aliases
 
 
 class WrappedModule(nn.Module):
@@ -54,7 +55,6 @@ class WrappedModule(nn.Module):
         object.__setattr__(self, "checkpoint_report", None)
         object.__setattr__(self, "_opaque_warned", False)
         object.__setattr__(self, "_grad_input_warned", False)
-        object.__setattr__(self, "_output_nodes", collections.OrderedDict())
         # The inner module's keys, without a "module." prefix, so checkpoints stay interchangeable.
         self._register_state_dict_hook(_strip_prefix)
         self._register_load_state_dict_pre_hook(_add_prefix)
@@ -108,13 +108,17 @@ class WrappedModule(nn.Module):
         Bounded on purpose: an input built from a large graph (an upstream network) is not searched
         through; only the short paths of a loop feeding outputs back are.
         """
+        # The visited wrappers are kept alive: some torch versions make a new Python object per access,
+        # and a freed one's id could be reused by the next, which would then pass for visited.
+        visited: list = []
         seen, frontier = set(), [t.grad_fn]
         while frontier and len(seen) < budget:
             node = frontier.pop()
             if node is None or id(node) in seen:
                 continue
+            visited.append(node)
             seen.add(id(node))
-            if id(node) in self._output_nodes:
+            if node.metadata.get(_OUTPUT_MARK):
                 return True
             frontier.extend(fn for fn, _ in node.next_functions)
         return False
@@ -141,21 +145,15 @@ class WrappedModule(nn.Module):
             tensors[0] += 1
             if out is not t and hook is not None and t.requires_grad:
                 hooked[0] += 1
-                self._remember_output(out.grad_fn)
+                # Marked on the autograd node itself (its metadata lives as long as the node): Python ids of
+                # grad_fn wrappers are not stable across torch versions.
+                out.grad_fn.metadata[_OUTPUT_MARK] = True
             return out
 
         outputs = map_outputs(outputs, finish)
         # Only when no tensor was found at all: tensors that do not require grad (a frozen model run in
         # grad mode) are a plain forward, not an output memwrap failed to see into.
         return outputs, bool(needs_hook and not tensors[0] and outputs is not None)
-
-    def _remember_output(self, node: Any) -> None:
-        # Ids only (a reference would keep the graph alive), and a bounded number of them: an id reused
-        # after its node died can at worst cause one needless warning.
-        nodes = self._output_nodes
-        nodes[id(node)] = None
-        if len(nodes) > 4096:
-            nodes.popitem(last=False)
 
     # The warnings are raised from forward() itself, so that stacklevel=5 points at the user's model(...) call.
     def _warn_opaque(self, outputs: Any) -> None:
