@@ -130,6 +130,12 @@ def _validate(values: dict[str, Any]) -> None:
     mode = values.get("on_nonfinite", "skip")
     if mode not in ON_NONFINITE:
         raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {mode!r}.{closest_hint(mode, ON_NONFINITE)}")
+    if values.get("checkpoint") is not None:
+        # Here rather than when the model is wrapped, so that estimate() and plan() reject a policy typo
+        # ("fulll") with the same message before any tracing.
+        from memwrap.checkpoint_policies import parse_checkpoint_option
+
+        parse_checkpoint_option(values["checkpoint"])
     monitor = values.get("monitor")
     if monitor is not None and (isinstance(monitor, bool) or not isinstance(monitor, numbers.Integral) or monitor < 1):
         raise ValueError(f"monitor must be None or an int >= 1 (log memory every k updates), got {monitor!r}.")

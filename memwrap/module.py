@@ -85,16 +85,14 @@ class WrappedModule(nn.Module):
         grad_inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if not grad_inputs:
             return args, kwargs, None
-        fed_back = [t for t in grad_inputs if getattr(t, "_memwrap_hook", None) is not None]
-        derived = next((t for t in grad_inputs
-                        if getattr(t, "_memwrap_hook", None) is None and self._reaches_an_output(t)), None)
+        derived = next((t for t in grad_inputs if _output_hook(t) is None and self._reaches_an_output(t)), None)
         stray = tuple(derived.shape) if derived is not None else None
-        if not any(t._memwrap_hook.factor is not None and not t._memwrap_hook.zero for t in fed_back):
+        if not any(_scaling(_output_hook(t)) for t in grad_inputs):
             return args, kwargs, stray
 
         def unweight(t: torch.Tensor) -> torch.Tensor:
-            hook = getattr(t, "_memwrap_hook", None)
-            if hook is None or hook.factor is None or hook.zero or not t.requires_grad:
+            hook = _output_hook(t) if t.requires_grad else None
+            if not _scaling(hook):
                 return t
             alias = t.view_as(t)
             alias.register_hook(_GradScale(hook.factor, hook.bypass, hook.gate, inverse=True))
@@ -118,7 +116,7 @@ class WrappedModule(nn.Module):
                 continue
             visited.append(node)
             seen.add(id(node))
-            if node.metadata.get(_OUTPUT_MARK):
+            if _OUTPUT_MARK in node.metadata:
                 return True
             frontier.extend(fn for fn, _ in node.next_functions)
         return False
@@ -138,22 +136,16 @@ class WrappedModule(nn.Module):
         # optimizer.step() that this micro-batch had its backward.
         needs_hook = factor is not None or (training and self._gate.accumulate > 1)
         hook = _GradScale(factor, self._hooks_bypassed, self._gate, zero=self._gate.weight() == 0) if needs_hook else None
-        hooked, tensors = [0], [0]
+        found = []
 
         def finish(t: torch.Tensor) -> torch.Tensor:
-            out = _finish_output(t, hook)
-            tensors[0] += 1
-            if out is not t and hook is not None and t.requires_grad:
-                hooked[0] += 1
-                # Marked on the autograd node itself (its metadata lives as long as the node): Python ids of
-                # grad_fn wrappers are not stable across torch versions.
-                out.grad_fn.metadata[_OUTPUT_MARK] = True
-            return out
+            found.append(True)
+            return _finish_output(t, hook)
 
         outputs = map_outputs(outputs, finish)
         # Only when no tensor was found at all: tensors that do not require grad (a frozen model run in
         # grad mode) are a plain forward, not an output memwrap failed to see into.
-        return outputs, bool(needs_hook and not tensors[0] and outputs is not None)
+        return outputs, bool(needs_hook and not found and outputs is not None)
 
     # The warnings are raised from forward() itself, so that stacklevel=5 points at the user's model(...) call.
     def _warn_opaque(self, outputs: Any) -> None:
@@ -170,7 +162,7 @@ class WrappedModule(nn.Module):
         )
 
     def _warn_grad_input(self, shape: tuple) -> None:
-        if self._grad_input_warned or (self._grad_factor_is_one() and self._gate.accumulate == 1):
+        if self._grad_input_warned:
             return
         object.__setattr__(self, "_grad_input_warned", True)
         warnings.warn(
@@ -180,9 +172,6 @@ class WrappedModule(nn.Module):
             "memwrap.backward(loss, model), which weights the loss once whatever the graph.",
             stacklevel=5,
         )
-
-    def _grad_factor_is_one(self) -> bool:
-        return not self._scaler.is_enabled() and self._gate.weight() == 1.0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients only at a window boundary, like the wrapped optimizer's ``zero_grad()``.
@@ -273,8 +262,20 @@ def _finish_output(t: torch.Tensor, hook: _GradScale | None) -> torch.Tensor:
         # inside forward (a loss from the logits), a hook on the shared tensor would weight that path twice.
         t = t.view_as(t)
         t.register_hook(hook)
-        t._memwrap_hook = hook  # recognised if this output is fed back into the model
+        # Recognised if fed back into the model, directly or through other ops. Kept in the autograd node's
+        # metadata, which lives as long as the node (Python grad_fn wrappers are not stable across versions).
+        t.grad_fn.metadata[_OUTPUT_MARK] = hook
     return t
+
+
+def _output_hook(t: torch.Tensor) -> _GradScale | None:
+    """The hook of a wrapped model's output alias, or None for any other tensor."""
+    return t.grad_fn.metadata.get(_OUTPUT_MARK) if t.grad_fn is not None else None
+
+
+def _scaling(hook: _GradScale | None) -> bool:
+    """Whether ``hook`` changes gradients (a weight or loss scale that is neither 1 nor 0)."""
+    return hook is not None and hook.factor is not None and not hook.zero
 
 
 class _Bypass:

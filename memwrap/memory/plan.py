@@ -382,7 +382,6 @@ def _checkpoint_spec(value: Any) -> Any:
 def _validate(specs: list[dict], max_grad_norm: float | None) -> None:
     """Reject invalid options before tracing, with wrap()'s own messages: a typo ("fulll", "fp8") must
     fail the plan, not be reported as a policy that "cannot run on this model"."""
-    from memwrap.checkpoint_policies import parse_checkpoint_option
     from memwrap.config import parse_options
 
     seen = set()
@@ -391,4 +390,3 @@ def _validate(specs: list[dict], max_grad_norm: float | None) -> None:
         if key not in seen:
             seen.add(key)
             parse_options(precision=s["precision"], checkpoint=s["checkpoint"], max_grad_norm=max_grad_norm)
-            parse_checkpoint_option(s["checkpoint"])
