@@ -14,9 +14,9 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "wrap": "memwrap.wrap",
-    "unwrap": "memwrap.wrap",
-    "backward": "memwrap.wrap",
+    "wrap": "memwrap.wrapper",
+    "unwrap": "memwrap.wrapper",
+    "backward": "memwrap.wrapper",
     "options_from": "memwrap.config",
     "Options": "memwrap.config",
     "apply_checkpointing": "memwrap.checkpointing",

@@ -263,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
     from memwrap.demo_corpus import CORPUS, corpus_tokens
     from memwrap.demo_report import Progress, plan_summary, plot_demo, results_table
     from memwrap.memory import estimate, format_bytes, measure_peak, plan
-    from memwrap.memory.plan import Margin
+    from memwrap.memory.planner import Margin
     from memwrap.models import lm_loss
 
     try:

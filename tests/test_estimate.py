@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from memwrap.memory import estimate
 from memwrap.memory.depth import checkpoint_layout, extrapolation_depths
-from memwrap.memory.estimate import trace_config
+from memwrap.memory.estimator import trace_config
 from memwrap.memory.trace import find_stack
 from memwrap.memory.measure import measure_peak
 from memwrap.module import WrappedModule

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import memwrap
 from memwrap.memory import estimate, plan
 from memwrap.memory.budget import format_bytes
-from memwrap.memory.plan import Margin
+from memwrap.memory.planner import Margin
 from memwrap.models import build_preset, lm_loss, preset_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore")

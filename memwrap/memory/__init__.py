@@ -8,13 +8,13 @@ Example:
     >>> est.peak > est.breakdown["parameters"]
     True
 """
-# Imported eagerly on purpose: the submodules ``estimate`` and ``plan`` share their names with
-# the functions, and a lazy attribute would be shadowed by the submodule once it is imported.
+# No submodule shares its name with a public function (estimator.py defines estimate, planner.py
+# defines plan): importing a submodule rebinds the package attribute of the same name.
 from memwrap.memory.budget import format_bytes, parse_budget
-from memwrap.memory.estimate import Estimate, estimate
+from memwrap.memory.estimator import Estimate, estimate
 from memwrap.memory.measure import measure_peak
 from memwrap.memory.monitor import MemoryMonitor
-from memwrap.memory.plan import Candidate, Plan, plan
+from memwrap.memory.planner import Candidate, Plan, plan
 
 __all__ = ["estimate", "plan", "Estimate", "Plan", "Candidate", "MemoryMonitor", "parse_budget", "format_bytes",
            "measure_peak"]

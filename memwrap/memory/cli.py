@@ -194,7 +194,7 @@ class _Progress:
 def run(args: argparse.Namespace) -> int:
     """Execute ``memwrap plan``; returns the exit status (0 when a plan was made, fitting or not)."""
     from memwrap.memory.budget import parse_budget
-    from memwrap.memory.plan import Margin, plan
+    from memwrap.memory.planner import Margin, plan
     from memwrap.memory.report import plan_table, plot_plan, print_plan
 
     try:  # every input error exits 2, as argparse's own do

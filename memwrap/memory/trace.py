@@ -9,7 +9,7 @@ Memory is recorded per *segment*: (micro-batch, phase, position relative to the 
 stack). Each segment keeps the snapshot (bytes per category) at its own maximum. For a stack of
 identical blocks every segment maximum is an affine function of the stack depth, which is what
 makes extrapolation from two truncated depths exact when the checkpointed blocks repeat along
-the stack (see :mod:`memwrap.memory.estimate` and :mod:`memwrap.memory.depth`).
+the stack (see :mod:`memwrap.memory.estimator` and :mod:`memwrap.memory.depth`).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ memory budget, and rank the configurations by predicted step time.
 
 Traces are shared: candidates with the same shapes (micro-batch, precision, checkpoint policy,
 accumulation on/off) share one trace, and optimizers that cannot run on fake tensors are derived
-from it exactly through their plugin's ``state_bytes`` (:func:`memwrap.memory.estimate.derive`).
+from it exactly through their plugin's ``state_bytes`` (:func:`memwrap.memory.estimator.derive`).
 
 Example:
     >>> from memwrap.models import build_preset, preset_batch
@@ -23,7 +23,7 @@ from torch import nn
 
 from memwrap.memory.budget import format_bytes, parse_budget
 from memwrap.memory.cost import cost_terms
-from memwrap.memory.estimate import Estimate, derive, finish, resolve_model, trace_config
+from memwrap.memory.estimator import Estimate, derive, finish, resolve_model, trace_config
 
 __all__ = ["Candidate", "Margin", "Plan", "plan", "rank", "DEFAULT_PRECISIONS", "DEFAULT_CHECKPOINTS", "default_optimizers"]
 
@@ -81,7 +81,7 @@ class Margin:
             return cls(value[0], 0 if fixed in (None, "") else parse_budget(fixed, what="margin", allow_zero=True))
         raise ValueError(f"margin={value!r} is not valid; give a fraction of the peak in [0, 1) (e.g. 0.1, which "
                          f"keeps the default 1 GiB fixed part), a (fraction, size) pair such as (0.08, '1GiB') or "
-                         f"(0.1, 0), or a memwrap.memory.plan.Margin.")
+                         f"(0.1, 0), or a memwrap.memory.planner.Margin.")
 
 
 @dataclasses.dataclass
