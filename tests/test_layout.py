@@ -21,7 +21,10 @@ PACKAGES = ["memwrap", "memwrap.memory", "memwrap.models", "memwrap.integrations
 
 
 def _public(package: types.ModuleType) -> list[str]:
-    return list(getattr(package, "__all__", [n for n in vars(package) if not n.startswith("_")]))
+    if hasattr(package, "__all__"):
+        return list(package.__all__)
+    # Without __all__, the public names are what the package defines itself, not submodules bound as attributes.
+    return [n for n, v in vars(package).items() if not n.startswith("_") and not isinstance(v, types.ModuleType)]
 
 
 @pytest.mark.parametrize("name", PACKAGES)
