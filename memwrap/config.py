@@ -33,6 +33,7 @@ class Options:
     optim: str | None = None
     on_nonfinite: str = "skip"
     monitor: int | None = None
+    scaler: dict[str, Any] | None = None  # fp16 GradScaler settings (memwrap.loss_scale)
 
     def to_kwargs(self) -> dict[str, Any]:
         """The options that differ from the defaults, ready for ``wrap(**kwargs)``."""
@@ -136,6 +137,9 @@ def _validate(values: dict[str, Any]) -> None:
         from memwrap.checkpoint_policies import parse_checkpoint_option
 
         parse_checkpoint_option(values["checkpoint"])
+    from memwrap.loss_scale import check_scaler_option
+
+    values["scaler"] = check_scaler_option(values.get("scaler"), precision)
     monitor = values.get("monitor")
     if monitor is not None and (isinstance(monitor, bool) or not isinstance(monitor, numbers.Integral) or monitor < 1):
         raise ValueError(f"monitor must be None or an int >= 1 (log memory every k updates), got {monitor!r}.")

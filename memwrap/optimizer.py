@@ -14,6 +14,8 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from memwrap.accumulation import AccumulationGate
+from memwrap.loss_scale import SCALE_FLOOR
+from memwrap.state_checks import check_optimizer_state, check_scheduler_state, class_name
 
 __all__ = ["WrappedOptimizer", "WrappedScheduler", "check_params_in_model"]
 
@@ -106,6 +108,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self.step_was_skipped = False
         self.updates = 0
         self.skipped = 0
+        self._consecutive_skips = 0  # skipped windows in a row (fp16 raises only at the scale floor)
         self.last_grad_norm: float | None = None
         self._window_lrs: list[float] | None = None
         self._lr_warned = False
@@ -145,6 +148,11 @@ class WrappedOptimizer(torch.optim.Optimizer):
             param_group = {**param_group, "params": params}  # a generator would be used up by the check
             check_params_in_model(model, params)
         self.optimizer.add_param_group(param_group)
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether the micro-batch in progress closes the window, so its step() updates (Accelerate's name)."""
+        return self.gate.sync_gradients
 
     # Step hooks belong on the inner optimizer: its step() runs exactly once per real update.
     def register_step_pre_hook(self, hook: Any) -> Any:
@@ -193,35 +201,53 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self._check_lr_unchanged(first_in_window)
         if not closes:
             return None
-        self.step_was_skipped = not self._update()
+        used_scale = self._update()
+        self.step_was_skipped = used_scale is not None
         self.did_update = not self.step_was_skipped
         if self.did_update:
             self.updates += 1
+            self._consecutive_skips = 0
             if self.monitor is not None:
                 self.monitor.on_update(self.updates)
         else:
             self.skipped += 1
+            self._consecutive_skips += 1
+            if self.on_nonfinite == "raise" and (not self.scaler.is_enabled() or used_scale <= SCALE_FLOOR):
+                self._raise_nonfinite(used_scale)
         return None
 
-    def _update(self) -> bool:
+    def _update(self) -> float | None:
+        """Step the inner optimizer; on a non-finite window return the loss scale it was computed with (1.0
+        without loss scaling) instead, or None when the update was applied."""
         scaler = self.scaler
         if scaler.is_enabled():
             scaler.unscale_(self.optimizer)
         finite = self._clip_and_check([p for g in self.param_groups for p in g["params"] if p.grad is not None])
-        if not finite and self.on_nonfinite == "raise":
-            if scaler.is_enabled():
-                scaler.update()
-            raise FloatingPointError(
-                f"non-finite gradient at update {self.updates + self.skipped + 1} (grad norm {self.last_grad_norm}); "
-                "the update was not applied. Fix: lower the learning rate, use precision='bf16' or 'fp32', or pass "
-                "on_nonfinite='skip' to skip such updates."
-            )
         if finite:
             # Our norm check sees exactly what GradScaler's inf check saw after unscale_, so the inner
             # step is called directly instead of through scaler.step (which would read the flag again).
             self.optimizer.step()
-        scaler.update()  # backs off or grows the scale from the flags unscale_ recorded; no-op when disabled
-        return finite
+        used_scale = None if finite else (scaler.get_scale() if scaler.is_enabled() else 1.0)
+        # Also before raising: update() backs off the scale and clears the per-window unscale_ record, without
+        # which the next window's unscale_ would fail. A no-op when the scaler is disabled.
+        scaler.update()
+        return used_scale
+
+    def _raise_nonfinite(self, used_scale: float) -> None:
+        # The loop's zero_grad() after step() will not run: clear the window here, or every later window would
+        # accumulate onto these inf/NaN gradients and raise again. The gate already closed the window.
+        self.optimizer.zero_grad(set_to_none=True)
+        window = self.updates + self.skipped
+        why = ""
+        if self.scaler.is_enabled():
+            why = (f" This window's loss scale {used_scale:g} is at or below the floor {SCALE_FLOOR:g} after "
+                   f"{self._consecutive_skips} consecutive skipped windows: backing off the scale cannot absorb this overflow.")
+        raise FloatingPointError(
+            f"non-finite gradient in accumulation window {window} (grad norm {self.last_grad_norm}); its update was not "
+            f"applied and its gradients were cleared, so the run can go on ({self.updates} updates applied, "
+            f"{self.skipped} skipped so far).{why} Fix: look for inf/NaN in the loss or the data, lower the learning "
+            "rate, use precision='bf16' or 'fp32', or pass on_nonfinite='skip' to skip such updates."
+        )
 
     def _clip_and_check(self, params: list[torch.Tensor]) -> bool:
         # One norm over the (unscaled) gradients serves both clipping and the non-finite check.
@@ -290,25 +316,25 @@ class WrappedOptimizer(torch.optim.Optimizer):
                      for g in self.param_groups for p in g["params"]]
         return {
             "optimizer": self.optimizer.state_dict(),
+            "optimizer_class": class_name(self.optimizer),  # lets a load refuse another optimizer's state up front
             "scaler": self.scaler.state_dict(),
             "gate": self.gate.state_dict(),
-            "counters": {"updates": self.updates, "skipped": self.skipped},
+            "counters": {"updates": self.updates, "skipped": self.skipped, "consecutive_skipped": self._consecutive_skips},
             "accumulated_grads": grads,
             "monitor": self.monitor.state_dict() if self.monitor is not None and hasattr(self.monitor, "state_dict") else None,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "gate" not in state_dict:
-            raise ValueError(
-                "this is not a memwrap optimizer checkpoint (no 'gate' entry). To load a plain optimizer "
-                "state_dict, call memwrap.unwrap(optimizer).load_state_dict(...)."
-            )
+        """Load a :meth:`state_dict`; a state that does not fit this run is refused before anything changes."""
+        check_optimizer_state(self, state_dict)
+        # The inner optimizer first: torch validates before it mutates, and nothing after it can fail.
         self.optimizer.load_state_dict(state_dict["optimizer"])
-        if state_dict["scaler"]:
+        if state_dict.get("scaler"):
             self.scaler.load_state_dict(state_dict["scaler"])
         self.gate.load_state_dict(state_dict["gate"])
         self.updates = state_dict["counters"]["updates"]
         self.skipped = state_dict["counters"]["skipped"]
+        self._consecutive_skips = state_dict["counters"].get("consecutive_skipped", 0)
         if state_dict.get("monitor") is not None and self.monitor is not None:
             self.monitor.load_state_dict(state_dict["monitor"])
         grads = state_dict.get("accumulated_grads")
@@ -347,10 +373,16 @@ class WrappedScheduler:
         return getattr(self.scheduler, name)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scheduler": self.scheduler.state_dict(), "updates_seen": self.updates_seen}
+        return {"scheduler": self.scheduler.state_dict(), "updates_seen": self.updates_seen,
+                "scheduler_class": class_name(self.scheduler)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "updates_seen" not in state_dict:  # a plain scheduler's state_dict
+        """Load a :meth:`state_dict` (or a plain scheduler's); another kind of scheduler's state is refused first."""
+        plain = not isinstance(state_dict, dict) or "updates_seen" not in state_dict
+        inner = state_dict if plain else state_dict.get("scheduler")
+        check_scheduler_state(self.scheduler, self.optimizer.optimizer, inner,
+                              None if plain else state_dict.get("scheduler_class"))
+        if plain:
             self.scheduler.load_state_dict(state_dict)
             self.updates_seen = self.optimizer.updates
             return

@@ -15,6 +15,7 @@ from torch import nn
 from memwrap.accumulation import AccumulationGate, WrappedLoader
 from memwrap.config import Options, parse_options
 from memwrap.distributed import item_reducer, sync_control
+from memwrap.loss_scale import configure_scaler
 from memwrap.module import WrappedModule
 from memwrap.optimizer import WrappedOptimizer, WrappedScheduler, check_params_in_model
 from memwrap.precision import TF32, get_precision
@@ -59,6 +60,7 @@ def wrap(*objects: Any, **options: Any) -> Any:
     device_type = _device_type(model, optimizer)
     precision.check(device_type)
     scaler = precision.make_scaler(device_type)
+    configure_scaler(scaler, opts.scaler)  # validated in parse_options; cannot fail here
     if isinstance(precision, TF32):
         precision.enable()
 
