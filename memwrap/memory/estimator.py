@@ -20,6 +20,7 @@ traced whole. ``tests/test_estimate.py`` checks extrapolations against full trac
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import time
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from torch import nn
 
 from memwrap.memory.budget import format_bytes
 from memwrap.memory.depth import extrapolation_depths
-from memwrap.memory.trace import CATEGORIES, Segment, Stack, TraceResult, find_stack, run_trace
+from memwrap.memory.trace import Segment, Stack, TraceResult, find_stack, run_trace
 
 __all__ = ["Estimate", "estimate", "Trace", "trace_config", "derive", "resolve_model", "resolve_batch"]
 
@@ -85,6 +86,8 @@ class Trace:
     optimizer: str | None
     method: str
     seconds: float
+    world_size: int = 1
+    strategy: str | None = None
 
 
 def _optimizer_factory(name: str | None):
@@ -133,7 +136,7 @@ def _extrapolate(ta: TraceResult, tb: TraceResult, a: int, b: int, n: int, stack
         if sa is None or sb is None:  # a segment seen at one depth only: keep the deeper one's value
             segments[key] = sb or sa
             continue
-        cats = {c: _lin(sa.bytes[c], sb.bytes[c], a, b, n) for c in CATEGORIES}
+        cats = {c: _lin(sa.bytes[c], sb.bytes[c], a, b, n) for c in sb.bytes}
         segments[key] = Segment(sum(cats.values()), cats, _lin(sa.host, sb.host, a, b, n),
                                 _rename(sb.where, stack, b, n))
     state = {k: _lin(ta.state_bytes[k], tb.state_bytes[k], a, b, n) for k in tb.state_bytes}
@@ -144,8 +147,31 @@ def _extrapolate(ta: TraceResult, tb: TraceResult, a: int, b: int, n: int, stack
 
 def trace_config(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Callable | None,
                  options: dict[str, Any], optimizer: str | None, *, extrapolate: bool | str = "auto",
-                 stack: Stack | None | str = "auto") -> Trace:
-    """Trace (or trace truncated copies and extrapolate) one configuration; see the module docstring."""
+                 stack: Stack | None | str = "auto", world_size: int = 1, strategy: str | None = None) -> Trace:
+    """Trace (or trace truncated copies and extrapolate) one configuration; see the module docstring.
+
+    With ``strategy="fsdp2"`` the step traced is rank 0's of ``world_size`` FSDP2 ranks; with
+    ``"ddp"`` the single-process step plus DDP's gradient buckets (see :mod:`memwrap.memory.sharded`).
+    """
+    if strategy == "fsdp2":
+        from memwrap.memory.sharded import fake_process_group, run_fsdp2_trace
+
+        with fake_process_group(world_size) as mesh:
+            runner = functools.partial(run_fsdp2_trace, mesh=mesh)
+            trace = _trace_config(model, make_batch, loss_fn, options, optimizer, extrapolate, stack, runner)
+        return dataclasses.replace(trace, world_size=world_size, strategy=strategy)
+    trace = _trace_config(model, make_batch, loss_fn, options, optimizer, extrapolate, stack, run_trace)
+    if strategy == "ddp":
+        from memwrap.memory.sharded import ddp_bucket_bytes, with_gradient_buckets
+
+        buckets, count = ddp_bucket_bytes(model)
+        trace = dataclasses.replace(trace, segments=with_gradient_buckets(trace.segments, buckets),
+                                    state={**trace.state, "gradient_buckets": buckets}, world_size=world_size,
+                                    strategy=strategy, method=f"{trace.method}; + {count} DDP gradient buckets")
+    return trace
+
+
+def _trace_config(model, make_batch, loss_fn, options, optimizer, extrapolate, stack, runner) -> Trace:
     start = time.perf_counter()
     if stack == "auto":
         stack = find_stack(model)
@@ -156,8 +182,8 @@ def trace_config(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Calla
     if depths is not None:
         a, b = depths
         try:
-            ta = run_trace(model, make_batch, loss_fn, options, factory, stack=stack, depth=a)
-            tb = run_trace(model, make_batch, loss_fn, options, factory, stack=stack, depth=b)
+            ta = runner(model, make_batch, loss_fn, options, factory, stack=stack, depth=a)
+            tb = runner(model, make_batch, loss_fn, options, factory, stack=stack, depth=b)
         except (IndexError, KeyError, AttributeError, RuntimeError, ValueError):
             ta = tb = None  # the model's forward depends on its depth: trace it whole
         if tb is not None:
@@ -167,7 +193,7 @@ def trace_config(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Calla
             method = f"extrapolated from traces with {a} and {b} of {n} blocks ({stack.name})"
             return Trace(segments, state, flops, ops, top, tb.micro_batches, optimizer, method,
                          time.perf_counter() - start)
-    tr = run_trace(model, make_batch, loss_fn, options, factory, stack=stack)
+    tr = runner(model, make_batch, loss_fn, options, factory, stack=stack)
     segments = {k_: dataclasses.replace(s, where=_rename(s.where, None, None, None)) for k_, s in tr.segments.items()}
     return Trace(segments, tr.state_bytes, tr.flops, tr.ops, _collapse(tr.top_modules, stack), tr.micro_batches,
                  optimizer, "full trace", time.perf_counter() - start)
@@ -225,6 +251,11 @@ class Estimate:
         top_modules: ``(module, bytes)`` of forward activations, largest first (stack blocks once, ``.*``).
         flops: per optimizer update (all micro-batches), recompute included.
         offloaded: most host bytes holding offloaded activations at any time of the step.
+        world_size / strategy: the data-parallel run this is one rank of (1 / None: one process).
+            Sharded estimates add categories: ``unsharded_parameters`` and ``unsharded_gradients``
+            (FSDP2's all-gathered blocks in flight), ``all_gather`` and ``reduce_scatter`` (their
+            communication buffers), ``gradient_buckets`` (DDP); ``parameters``, ``gradients`` and
+            ``optimizer_state`` are then this rank's shards.
     """
 
     options: dict[str, Any]
@@ -243,6 +274,8 @@ class Estimate:
     offloaded: int
     method: str
     seconds: float
+    world_size: int = 1
+    strategy: str | None = None
 
     @property
     def dominant(self) -> str:
@@ -260,12 +293,13 @@ class Estimate:
 
     def __str__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items()) or "defaults"
-        lines = [f"memwrap estimate ({opts}; optimizer {self.optimizer})",
+        where = f"; rank 0 of {self.world_size}, {self.strategy}" if self.strategy else ""
+        lines = [f"memwrap estimate ({opts}; optimizer {self.optimizer}{where})",
                  f"  peak {format_bytes(self.peak)} in {self.peak_phase} (micro-batch {self.peak_micro_batch}, "
                  f"at {self.peak_module})"]
-        for cat in CATEGORIES:
-            if self.breakdown.get(cat):
-                lines.append(f"    {cat:<16}{format_bytes(self.breakdown[cat]):>12}")
+        for cat, value in self.breakdown.items():
+            if value:
+                lines.append(f"    {cat:<21}{format_bytes(value):>12}")
         if self.offloaded:
             lines.append(f"    {'(host, offloaded)':<16}{format_bytes(self.offloaded):>12}")
         lines.append("  phase peaks: " + ", ".join(f"{p} {format_bytes(v)}" for p, v in self.phases.items()))
@@ -289,11 +323,13 @@ def finish(trace: Trace, options: dict[str, Any], optimizer: str) -> Estimate:
                     state=state, top_modules=list(trace.top_modules), flops=trace.flops * accumulate,
                     flops_per_micro_batch=trace.flops, ops_per_micro_batch=trace.ops,
                     offloaded=max((s.host for s in trace.segments.values()), default=0),
-                    method=trace.method, seconds=trace.seconds)
+                    method=trace.method, seconds=trace.seconds, world_size=trace.world_size,
+                    strategy=trace.strategy)
 
 
 def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn: Callable | None = None,
-             optimizer: str = "adamw", extrapolate: bool | str = "auto", **wrap_options: Any) -> Estimate:
+             optimizer: str = "adamw", extrapolate: bool | str = "auto", world_size: int = 1,
+             strategy: str | None = None, **wrap_options: Any) -> Estimate:
     """Predict the memory of one steady-state training step under ``memwrap.wrap(**wrap_options)``.
 
     Runs the step (forward, loss, backward, optimizer update, with the optimizer state already
@@ -305,6 +341,12 @@ def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn:
     The optimizer is ``wrap_options["optim"]`` or ``optimizer`` (a registry name); optimizers that
     cannot run on fake tensors (bitsandbytes, Adafactor) contribute their plugin's ``state_bytes``.
 
+    ``world_size=N, strategy="fsdp2" | "ddp"``: the peak of one of ``N`` data-parallel ranks, each
+    running ``batch`` as its micro-batch (the global batch is ``micro-batch x accumulate x N``).
+    FSDP2 is traced on a fake rank (``fully_shard`` on each block of the stack, then the root);
+    DDP is the single-process step plus its gradient buckets. See :mod:`memwrap.memory.sharded`
+    and docs/distributed.md.
+
     Example:
         >>> from memwrap.models import build_preset, preset_batch
         >>> est = estimate(build_preset("gpt2-tiny"), preset_batch("gpt2-tiny", 2, 64), precision="bf16")
@@ -314,11 +356,19 @@ def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn:
     from memwrap.config import parse_options
     from memwrap.registry import get_optimizer_spec
 
+    from memwrap.memory.sharded import check_sharding, fsdp2_refusals
+
+    world_size, strategy = check_sharding(world_size, strategy)
     wrap_options = parse_options(**wrap_options).to_kwargs()  # wrap()'s validation, canonical names
     opt_name = get_optimizer_spec(wrap_options.get("optim") or optimizer).name
+    if strategy == "fsdp2":
+        refused = fsdp2_refusals([opt_name], world_size)
+        if refused:
+            raise ValueError(refused[opt_name])
     module = resolve_model(model)
     make_batch = resolve_batch(batch)
     traced = opt_name if get_optimizer_spec(opt_name).runs_on_fake else None
-    trace = trace_config(module, make_batch, loss_fn, wrap_options, traced, extrapolate=extrapolate)
+    trace = trace_config(module, make_batch, loss_fn, wrap_options, traced, extrapolate=extrapolate,
+                         world_size=world_size, strategy=strategy)
     trace = derive(trace, opt_name, module)
     return finish(trace, wrap_options, opt_name)

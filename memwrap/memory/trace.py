@@ -163,11 +163,18 @@ class _NoHook:
 _NO_HOOKS = (_NoHook(), _NoHook())
 
 
-class _SegmentTracker(MemTracker):
-    """MemTracker that also keeps the maximum of every (micro-batch, phase, position) segment."""
+class SegmentMixin:
+    """Keeps the maximum of every (micro-batch, phase, position) segment of a MemTracker subclass.
 
-    def __init__(self, device: torch.device):
-        super().__init__()
+    Mixed into torch's ``MemTracker`` here and into its ``FSDPMemTracker`` in
+    :mod:`memwrap.memory.sharded`; ``category_of`` maps the tracker's reference types to memwrap's
+    category names (``categories``, in report order). Call :meth:`init_segments` from ``__init__``.
+    """
+
+    categories: tuple[str, ...] = CATEGORIES
+    category_of: dict = _CAT
+
+    def init_segments(self, device: torch.device) -> None:
         self.device = device
         self.segments: dict[tuple, Segment] = {}
         self.mb = 0
@@ -178,15 +185,6 @@ class _SegmentTracker(MemTracker):
         from torch.utils.flop_counter import flop_registry
 
         self._flop_registry = flop_registry
-
-    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):
-        # torch's MemTracker hooks every parameter's gradient, and register_hook refuses a frozen parameter
-        # (fine-tuning, LoRA, frozen embeddings). Frozen ones are marked as hooked already: they get no
-        # gradient to track anyway.
-        for param in module.parameters():
-            if not param.requires_grad and self._param_to_grad_hook_handles.get(param, None) is None:
-                self._param_to_grad_hook_handles[param] = _NO_HOOKS
-        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def key(self) -> tuple:
         if self._in_opt:
@@ -207,15 +205,15 @@ class _SegmentTracker(MemTracker):
         return res
 
     def current(self) -> tuple[int, dict[str, int], int]:
-        dev = dict.fromkeys(CATEGORIES, 0)
+        dev = dict.fromkeys(self.categories, 0)
         host = 0
         for device, snap in self._curr_mem_snap.items():
             if device.type == HOST.type:
                 host += snap["Total"]
             elif device.type == self.device.type:
                 for ref, value in snap.items():
-                    if ref in _CAT:
-                        dev[_CAT[ref]] += value
+                    if ref in self.category_of:
+                        dev[self.category_of[ref]] += value
         return sum(dev.values()), dev, host
 
     def _update_peak_stats(self, peak_state) -> None:
@@ -229,6 +227,23 @@ class _SegmentTracker(MemTracker):
             parents = self._mod_tracker.parents
             where = max(parents, key=lambda s: (s.count("."), len(s))) if parents else "Global"
             self.segments[key] = Segment(total, dev, host, where)
+
+
+class _SegmentTracker(SegmentMixin, MemTracker):
+    """MemTracker that also keeps the maximum of every (micro-batch, phase, position) segment."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.init_segments(device)
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):
+        # torch's MemTracker hooks every parameter's gradient, and register_hook refuses a frozen parameter
+        # (fine-tuning, LoRA, frozen embeddings). Frozen ones are marked as hooked already: they get no
+        # gradient to track anyway.
+        for param in module.parameters():
+            if not param.requires_grad and self._param_to_grad_hook_handles.get(param, None) is None:
+                self._param_to_grad_hook_handles[param] = _NO_HOOKS
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
 
 def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
@@ -353,34 +368,44 @@ def run_trace(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Callable
         batches = [_to_fake(make_batch(), mode, dev) for _ in range(n_mb)]
         tracker.track_external(fmodel, inner, *[t for b in batches for t in tree_flatten(b)[0] if isinstance(t, torch.Tensor)])
         state = _state(tracker)
-        hooks = _stack_hooks(fmodel, stack, tracker)
-        top: list[tuple[str, int]] = []
-        try:
-            with tracker, _explain_data_dependence():
-                for mb, batch in enumerate(batches):
-                    if mb:
-                        tracker.reset_mod_stats()  # MemTracker refuses a second root call otherwise
-                    tracker.mb, tracker.fw_pos, tracker.bw_pos, tracker.stage = mb, "pre", "pre", "forward"
-                    args, kwargs, targets = split_batch(batch)
-                    outputs = wmodel(*args, **kwargs)
-                    loss = loss_fn(outputs, targets)
-                    del outputs, args, kwargs, targets
-                    if mb == 0:
-                        top = _top_modules(tracker)
-                    tracker.stage = "backward"
-                    loss.backward()
-                    del loss
-                    tracker.stage = "optimizer"
-                    wopt.step()
-                    wopt.zero_grad()
-        finally:
-            for h in hooks:
-                h.remove()
+        top = drive_step(tracker, fmodel, wmodel, wopt, batches, loss_fn, stack, _top_modules)
         total_flops = tracker.flops
-    del batches, batch, wmodel, wopt, inner, fmodel
+    del batches, wmodel, wopt, inner, fmodel
     ops = (tracker.ops["forward"] + tracker.ops["backward"]) // n_mb
     return TraceResult(tracker.segments, state, total_flops // n_mb, ops, top, n_mb, depth,
                        time.perf_counter() - start)
+
+
+def drive_step(tracker: SegmentMixin, fmodel: nn.Module, wmodel: nn.Module, wopt: Any, batches: list, loss_fn: Callable,
+               stack: Stack | None, top_modules: Callable | None = None) -> list[tuple[str, int]]:
+    """Run the traced micro-batches (forward, loss, backward, step, zero_grad) under ``tracker``.
+
+    Returns ``top_modules(tracker)`` read after the first forward (``[]`` without it).
+    """
+    hooks = _stack_hooks(fmodel, stack, tracker)
+    top: list[tuple[str, int]] = []
+    try:
+        with tracker, _explain_data_dependence():
+            for mb, batch in enumerate(batches):
+                if mb:
+                    tracker.reset_mod_stats()  # MemTracker refuses a second root call otherwise
+                tracker.mb, tracker.fw_pos, tracker.bw_pos, tracker.stage = mb, "pre", "pre", "forward"
+                args, kwargs, targets = split_batch(batch)
+                outputs = wmodel(*args, **kwargs)
+                loss = loss_fn(outputs, targets)
+                del outputs, args, kwargs, targets
+                if mb == 0 and top_modules is not None:
+                    top = top_modules(tracker)
+                tracker.stage = "backward"
+                loss.backward()
+                del loss
+                tracker.stage = "optimizer"
+                wopt.step()
+                wopt.zero_grad()
+    finally:
+        for h in hooks:
+            h.remove()
+    return top
 
 
 @contextlib.contextmanager

@@ -1,0 +1,298 @@
+"""Per-rank memory of data-parallel training (FSDP2, DDP), traced on one fake rank.
+
+FSDP2 is traced, not modelled: the process joins torch's ``fake`` process group as rank 0 of
+``world_size`` (no communication happens, collectives only produce their output shapes), builds
+a device mesh, copies the model onto the meta device, ``fully_shard``s every block of its stack
+and then the root (the layout of ``examples/fsdp2_torchrun.py`` and torchtitan), materialises it
+with ``to_empty`` under ``FakeTensorMode`` and runs one steady-state step of
+``memwrap.wrap(sharded_model, optimizer, **options)`` under torch's ``FSDPMemTracker``. What the
+trace sees is what FSDP2 allocates on a rank: the padded local shards of parameters, gradients
+and optimizer state, the unsharded parameters of the blocks in flight (FSDP2's default prefetch
+of one block ahead, in forward and backward), the all-gather and reduce-scatter buffers, and
+activations. The device mesh is created before the fake mode is entered, as torch's own
+FSDPMemTracker tests do.
+
+DDP is traced and completed by one modelled term. A DDP rank runs the single-process step
+(traced as for ``world_size=1``) and, in addition, DDP's ``Reducer`` holds flat gradient buckets
+for the whole run: with DDP's default ``gradient_as_bucket_view=False`` each bucket is a separate
+flat copy of its parameters' gradients, so the buckets together hold one more copy of the
+trainable parameters' gradients, in their dtype. The Reducer allocates them in C++ when DDP is
+constructed, before any step, which a trace of the step cannot attribute, so their size is taken
+from the bucket assignment torch itself computes (``dist._compute_bucket_assignment_by_size``)
+and added to every segment as ``gradient_buckets``. The real 2- and 4-rank runs in
+``benchmarks/distributed_planner.py`` measure how close both are.
+
+Example:
+    >>> import memwrap
+    >>> from memwrap.models import build_preset, preset_batch
+    >>> est = memwrap.estimate(lambda: build_preset("gpt2-tiny"), preset_batch("gpt2-tiny", 2, 64),
+    ...                        world_size=4, strategy="fsdp2")  # doctest: +SKIP
+    >>> est.breakdown["parameters"] < 17094656 / 2  # doctest: +SKIP
+    True
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import itertools
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from memwrap.memory.trace import (
+    SegmentMixin, Stack, TraceResult, _offload_to_host, _state, _to_fake, default_loss, drive_step, truncated,
+)
+
+__all__ = ["STRATEGIES", "SHARDED_CATEGORIES", "check_sharding", "fake_process_group", "run_fsdp2_trace",
+           "ddp_bucket_bytes", "with_gradient_buckets", "sharding_refusal", "fsdp2_refusals"]
+
+STRATEGIES = ("ddp", "fsdp2")
+SHARDED_CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "unsharded_parameters",
+                      "unsharded_gradients", "all_gather", "reduce_scatter", "gradient_buckets", "activations",
+                      "temporaries", "other")
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _fsdp2_missing() -> str | None:
+    """Why the installed torch cannot trace (or run) FSDP2 on this machine, or None."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # noqa: F401
+        from torch.distributed.device_mesh import init_device_mesh  # noqa: F401
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
+    except ImportError as exc:
+        return f"it lacks {exc.name or exc} (FSDP2's fully_shard, FSDPMemTracker and the fake process group)"
+    if not dist.is_available():
+        return "it was built without torch.distributed"
+    if not hasattr(torch.cpu.Stream, "record_event"):
+        # FSDP2 records events on the device's streams; torch 2.6's CPU stream cannot (2.11 can).
+        return "FSDP2 cannot run on a CPU device there (torch.cpu.Stream.record_event is missing)"
+    return None
+
+
+def check_sharding(world_size: Any, strategy: Any) -> tuple[int, str | None]:
+    """Validate ``world_size`` and ``strategy``; returns ``(world_size, strategy)`` (strategy lower-cased).
+
+    ``world_size=1`` without a strategy is a single-process run. Raises ``ValueError`` naming the fix:
+    ``world_size`` < 1, a strategy that does not exist (with the closest name), several ranks without
+    a strategy, or a strategy this torch cannot trace.
+
+    Example:
+        >>> check_sharding(4, "FSDP2")
+        (4, 'fsdp2')
+        >>> check_sharding(1, None)
+        (1, None)
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} is not valid; give the number of data-parallel ranks (GPUs), "
+                         f"an int >= 1 (--world-size on the command line).")
+    if strategy is None:
+        if world_size > 1:
+            raise ValueError(f"world_size={world_size} needs a strategy: say how the ranks share the model, "
+                             f"strategy='fsdp2' (shard parameters, gradients, optimizer state) or 'ddp' (replicate).")
+        return world_size, None
+    if not isinstance(strategy, str) or strategy.lower() not in STRATEGIES:
+        from memwrap.errors import closest_hint
+
+        hint = closest_hint(strategy.lower() if isinstance(strategy, str) else strategy, STRATEGIES)
+        raise ValueError(f"unknown strategy {strategy!r}.{hint} Valid strategies: {', '.join(STRATEGIES)}.")
+    strategy = strategy.lower()
+    if strategy == "fsdp2":
+        missing = _fsdp2_missing()
+        if missing is not None:
+            raise ValueError(f"strategy 'fsdp2' cannot be planned with torch {torch.__version__}: {missing}. "
+                             f"Fix: upgrade torch (2.11 or later), or plan strategy='ddp'.")
+    elif not torch.distributed.is_available():
+        raise ValueError(f"strategy 'ddp' needs torch.distributed, which torch {torch.__version__} was built "
+                         f"without. Fix: install a torch build with distributed support.")
+    return world_size, strategy
+
+
+# ----------------------------------------------------------------------------- the fake rank
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int):
+    """Be rank 0 of a ``world_size``-rank ``fake`` process group inside the block; yields a 1-D CPU device mesh.
+
+    The group is created here and destroyed on exit, so the caller's process is left as it was.
+    A process that already has a default process group (inside torchrun) cannot host the fake one.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("planning FSDP2 needs a process without a default process group (it joins torch's fake "
+                           "one for the trace), but this process already has one. Fix: plan before "
+                           "init_process_group, or from a separate process (memwrap plan --world-size N ...).")
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        # The mesh is created before any FakeTensorMode is entered (its init reads real tensors).
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _meta_copy(model: nn.Module, stack: Stack | None, depth: int | None) -> nn.Module:
+    """A structural copy of ``model`` (cut to ``depth`` stack blocks) with its tensors on the meta device."""
+    with truncated(model, stack, depth):
+        memo: dict[int, Any] = {}
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            if id(t) not in memo:
+                mt = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
+                memo[id(t)] = nn.Parameter(mt, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else mt
+        return copy.deepcopy(model, memo)
+
+
+def _shard(model: nn.Module, stack: Stack | None, mesh) -> nn.Module:
+    """``fully_shard`` each block of the stack, then the root: one FSDP unit per block."""
+    from torch.distributed.fsdp import fully_shard
+
+    if stack is not None:
+        for block in model.get_submodule(stack.name).children():
+            fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _fsdp_categories() -> dict:
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType as R
+
+    return {R.SHARDED_PARAM: "parameters", R.UNSHARDED_PARAM: "unsharded_parameters", R.BUFFER: "buffers",
+            R.SHARDED_GRAD: "gradients", R.UNSHARDED_GRAD: "unsharded_gradients", R.ACT: "activations",
+            R.TEMP: "temporaries", R.ALL_GATHER: "all_gather", R.REDUCE_SCATTER: "reduce_scatter",
+            R.OPT: "optimizer_state", R.INP: "other"}
+
+
+def _tracker_class():
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    class _FSDPSegmentTracker(SegmentMixin, FSDPMemTracker):
+        categories = SHARDED_CATEGORIES
+        category_of = _fsdp_categories()
+
+        def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
+            super().__init__(module, optimizer)
+            self.init_segments(device)
+
+    return _FSDPSegmentTracker
+
+
+def sharding_refusal(optimizer: str, mesh) -> str | None:
+    """Why memwrap refuses optimizer ``optimizer`` (a registry name) on FSDP2 shards, or None.
+
+    The rule is :func:`memwrap.distributed.check_sharded_optimizer` itself, applied to the optimizer
+    built on a one-layer sharded fake model (so the planner and ``wrap()`` cannot disagree).
+    """
+    from memwrap.distributed import check_sharded_optimizer
+    from memwrap.registry import create_optimizer
+
+    # A real 2x2 layer (a few bytes): optimizer constructors may read values, which fake tensors cannot.
+    probe = _shard(nn.Linear(2, 2), None, mesh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            check_sharded_optimizer(create_optimizer(optimizer, probe.parameters(), model=probe))
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
+def fsdp2_refusals(optimizers: list[str], world_size: int) -> dict[str, str]:
+    """``{name: why}`` for the optimizers memwrap refuses on FSDP2 shards (see :func:`sharding_refusal`)."""
+    out = {}
+    with fake_process_group(world_size) as mesh:
+        for name in dict.fromkeys(optimizers):
+            why = sharding_refusal(name, mesh)
+            if why is not None:
+                out[name] = why
+    return out
+
+
+def run_fsdp2_trace(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Callable | None,
+                    options: dict[str, Any], optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None, *,
+                    mesh, stack: Stack | None = None, depth: int | None = None) -> TraceResult:
+    """Trace one steady-state step of rank 0 of an FSDP2 run (see the module docstring); needs
+    :func:`fake_process_group`'s ``mesh``. Same contract as :func:`memwrap.memory.trace.run_trace`."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import memwrap
+
+    start = time.perf_counter()
+    dev = torch.device("cpu")
+    loss_fn = loss_fn or default_loss
+    accumulate = int(options.get("accumulate", 1))
+    n_mb = 2 if accumulate > 1 else 1  # as in run_trace: micro-batches 2..N look alike
+    wrap_opts = {k: v for k, v in options.items() if k not in ("optim", "monitor", "count_items")}
+    wrap_opts["accumulate"] = n_mb
+    fmodel = _shard(_meta_copy(model, stack, depth), stack, mesh)
+    fmodel.train()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode, warnings.catch_warnings(), _offload_to_host():
+        warnings.simplefilter("ignore")
+        fmodel.to_empty(device=dev)
+        inner = optimizer(fmodel) if optimizer is not None else torch.optim.SGD(fmodel.parameters(), lr=0.0)
+        params = [p for p in fmodel.parameters() if p.requires_grad]
+        if optimizer is not None:  # steady state: the optimizer's state exists before the step
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            inner.step()
+            inner.zero_grad(set_to_none=True)
+        wmodel, wopt = memwrap.wrap(fmodel, inner, **wrap_opts)
+        tracker = _tracker_class()(fmodel, inner, dev)
+        batches = [_to_fake(make_batch(), mode, dev) for _ in range(n_mb)]
+        tracker.track_inputs(tuple(t for b in batches for t in tree_flatten(b)[0] if isinstance(t, torch.Tensor)))
+        with tracker:  # the tracker registers FSDP2's shards when entered: read the persistent state there
+            state = _state(tracker)
+        drive_step(tracker, fmodel, wmodel, wopt, batches, loss_fn, stack)
+    del batches, wmodel, wopt, inner, fmodel
+    ops = (tracker.ops["forward"] + tracker.ops["backward"]) // n_mb
+    return TraceResult(tracker.segments, state, tracker.flops // n_mb, ops, [], n_mb, depth,
+                       time.perf_counter() - start)
+
+
+# ----------------------------------------------------------------------------- DDP
+
+def ddp_bucket_bytes(model: nn.Module, bucket_cap_mb: float = 25.0) -> tuple[int, int]:
+    """``(total, buckets)``: bytes of DDP's flat gradient buckets on each rank, and how many there are.
+
+    The assignment is torch's own (``dist._compute_bucket_assignment_by_size`` with DDP's default
+    first bucket of 1 MiB and ``bucket_cap_mb``), over the trainable parameters in reverse order as
+    DDP passes them; each bucket is one flat tensor of its parameters' elements.
+
+    Example:
+        >>> ddp_bucket_bytes(nn.Linear(1024, 1024))
+        (4198400, 2)
+    """
+    import torch.distributed as dist
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    seen: set[int] = set()
+    unique = [p for p in params if not (id(p) in seen or seen.add(id(p)))]
+    if not unique:
+        return 0, 0
+    first = int(getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1024 * 1024))
+    limits = [first, int(bucket_cap_mb * 1024 * 1024)]
+    indices, _ = dist._compute_bucket_assignment_by_size(list(reversed(unique)), limits, [False] * len(unique))
+    rev = list(reversed(unique))
+    total = sum(sum(rev[i].numel() for i in bucket) * rev[bucket[0]].element_size() for bucket in indices)
+    return total, len(indices)
+
+
+def with_gradient_buckets(segments: dict, nbytes: int) -> dict:
+    """Every segment with ``gradient_buckets`` bytes added (alive for the whole run)."""
+    out = {}
+    for key, seg in segments.items():
+        cats = dict(seg.bytes)
+        cats["gradient_buckets"] = cats.get("gradient_buckets", 0) + nbytes
+        out[key] = dataclasses.replace(seg, total=seg.total + nbytes, bytes=cats)
+    return out
+
