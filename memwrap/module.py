@@ -55,6 +55,7 @@ class WrappedModule(nn.Module):
         object.__setattr__(self, "checkpoint_report", None)
         object.__setattr__(self, "_opaque_warned", False)
         object.__setattr__(self, "_grad_input_warned", False)
+        object.__setattr__(self, "_loss_log", None)  # the optimizer's WindowLoss, set by wrap(): records outputs.loss
         # The inner module's keys, without a "module." prefix, so checkpoints stay interchangeable.
         self._register_state_dict_hook(_strip_prefix)
         self._register_load_state_dict_pre_hook(_add_prefix)
@@ -71,6 +72,8 @@ class WrappedModule(nn.Module):
         with self._sync(training), self._precision.autocast(self._device_type):
             outputs = self.module(*args, **kwargs)
         outputs, opaque = self._finish(outputs, training)
+        if training and self._loss_log is not None:
+            self._loss_log.record_outputs(outputs)
         if opaque:
             self._warn_opaque(outputs)
         return outputs

@@ -6,6 +6,7 @@ skips the update (counted, reported), and updates the GradScaler.
 """
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from typing import Any
@@ -16,6 +17,7 @@ from torch._subclasses.fake_tensor import is_fake
 from memwrap.accumulation import AccumulationGate
 from memwrap.loss_scale import SCALE_FLOOR
 from memwrap.state_checks import check_optimizer_state, check_scheduler_state, class_name
+from memwrap.window_loss import WindowLoss
 
 __all__ = ["WrappedOptimizer", "WrappedScheduler", "check_params_in_model"]
 
@@ -79,6 +81,19 @@ def _outer_accumulation(frame: Any, depth: int = 12) -> int:
     return found
 
 
+# Frames a warning must not point into: memwrap's own, and torch.optim's (an LR scheduler built on the
+# wrapped optimizer replaces its step() with a wrapper defined in torch/optim/lr_scheduler.py).
+_INTERNAL_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (sys.modules["memwrap"], torch.optim))
+
+
+def _user_stacklevel() -> int:
+    """``stacklevel`` for a ``warnings.warn`` made by the caller: the first frame outside memwrap and torch.optim."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class WrappedOptimizer(torch.optim.Optimizer):
     """Gate ``step()``/``zero_grad()`` of ``optimizer`` on the accumulation window.
 
@@ -114,6 +129,8 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self._lr_warned = False
         self._no_backward_warned = False
         self._outer_checked = False
+        # The window's loss for logging; the wrapped model records outputs.loss into it (see window_loss).
+        self.loss_log = WindowLoss(gate)
 
     # --- shared state -----------------------------------------------------------------
     @property
@@ -201,6 +218,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self._check_lr_unchanged(first_in_window)
         if not closes:
             return None
+        self.loss_log.close()
         used_scale = self._update()
         self.step_was_skipped = used_scale is not None
         self.did_update = not self.step_was_skipped
@@ -215,6 +233,34 @@ class WrappedOptimizer(torch.optim.Optimizer):
             if self.on_nonfinite == "raise" and (not self.scaler.is_enabled() or used_scale <= SCALE_FLOOR):
                 self._raise_nonfinite(used_scale)
         return None
+
+    @property
+    def window_loss(self) -> float | None:
+        """Mean loss of the last closed window (what Trainer logs), weighted like its gradient.
+
+        The micro-batches' mean, or with ``count_items`` the mean over the window's items. Losses the model
+        returns as ``outputs.loss`` (Hugging Face) or ``outputs["loss"]`` are recorded by themselves; record a
+        loss computed outside the model with :meth:`record_loss`. None when nothing was recorded.
+
+        Example:
+            >>> import memwrap, torch
+            >>> net = torch.nn.Linear(2, 1)
+            >>> model, opt = memwrap.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), accumulate=2)
+            >>> for target in (1.0, 3.0):
+            ...     loss = (model(torch.zeros(1, 2)) * 0 + target).sum(); loss.backward()
+            ...     opt.record_loss(loss); opt.step(); opt.zero_grad()
+            >>> opt.window_loss
+            2.0
+        """
+        return self.loss_log.value
+
+    def record_loss(self, loss: torch.Tensor | float) -> None:
+        """Record this micro-batch's loss for :attr:`window_loss`; call it once per micro-batch before ``step()``.
+
+        Needed only when the loss is computed outside the model (``loss = loss_fn(model(x), y)``); it replaces
+        what the model recorded for the same micro-batch, so nothing is counted twice. No device sync.
+        """
+        self.loss_log.record(loss)
 
     def _update(self) -> float | None:
         """Step the inner optimizer; on a non-finite window return the loss scale it was computed with (1.0
@@ -281,7 +327,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
             "of the model, an output type memwrap cannot look into); an output modified in place before the loss. "
             "Fix: call optimizer.step() once per micro-batch after loss.backward(), compute the loss from model(...)'s "
             "outputs without in-place edits, or call memwrap.backward(loss, model).",
-            stacklevel=3,
+            stacklevel=_user_stacklevel(),
         )
 
     def _check_lr_unchanged(self, first_in_window: bool) -> None:
@@ -299,7 +345,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
                 "the learning rate changed inside an accumulation window: an LR scheduler is stepping every "
                 "micro-batch instead of every update. Fix: pass it to memwrap.wrap(model, optimizer, scheduler, ...) "
                 "(or wrap it: scheduler = memwrap.wrap(scheduler)) so it steps once per real update.",
-                stacklevel=3,
+                stacklevel=_user_stacklevel(),
             )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -322,6 +368,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
             "counters": {"updates": self.updates, "skipped": self.skipped, "consecutive_skipped": self._consecutive_skips},
             "accumulated_grads": grads,
             "monitor": self.monitor.state_dict() if self.monitor is not None and hasattr(self.monitor, "state_dict") else None,
+            "window_loss": self.loss_log.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -335,6 +382,8 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self.updates = state_dict["counters"]["updates"]
         self.skipped = state_dict["counters"]["skipped"]
         self._consecutive_skips = state_dict["counters"].get("consecutive_skipped", 0)
+        if state_dict.get("window_loss") is not None:
+            self.loss_log.load_state_dict(state_dict["window_loss"])
         if state_dict.get("monitor") is not None and self.monitor is not None:
             self.monitor.load_state_dict(state_dict["monitor"])
         grads = state_dict.get("accumulated_grads")

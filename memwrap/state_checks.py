@@ -68,6 +68,9 @@ def check_optimizer_state(wrapped: Any, state: Any) -> None:
     if not isinstance(counters, dict) or not all(isinstance(counters.get(k), numbers.Integral) for k in ("updates", "skipped")):
         _refuse(f"its counters {counters!r} are not {{'updates': int, 'skipped': int}}")
     _check_grads(wrapped, state.get("accumulated_grads"))
+    window_loss = state.get("window_loss")
+    if window_loss is not None and not (isinstance(window_loss, dict) and {"open", "closed"} <= window_loss.keys()):
+        _refuse("its 'window_loss' entry is malformed")
     monitor = state.get("monitor")
     if monitor is not None and wrapped.monitor is not None and not (isinstance(monitor, dict) and "records" in monitor):
         _refuse("its memory monitor entry has no 'records'")

@@ -72,6 +72,8 @@ def wrap(*objects: Any, **options: Any) -> Any:
     if optimizer is not None:
         wrapped_opt = _wrap_optimizer(optimizer, model, opts, gate, scaler, kinds["scheduler"])
         results[id(optimizer)] = wrapped_opt
+        if wrapped_model is not None:  # the model's forward records a loss it returns, for optimizer.window_loss
+            object.__setattr__(wrapped_model, "_loss_log", wrapped_opt.loss_log)
     for scheduler in kinds["scheduler"]:
         results[id(scheduler)] = _wrap_scheduler(scheduler, wrapped_opt)
     for loader in kinds["loader"]:
