@@ -16,7 +16,7 @@ from torch import nn
 
 from memwrap.errors import closest_hint
 
-__all__ = ["find_blocks", "select_modules", "parse_checkpoint_option", "plugin_policies",
+__all__ = ["find_blocks", "select_modules", "parse_checkpoint_option", "plugin_policies", "check_policy_name",
            "selective_policy", "SAVE_OPS", "MODES"]
 
 MODES = ("full", "selective")
@@ -178,35 +178,62 @@ def selective_policy(ctx, op, *args, **kwargs):
 
 # ------------------------------------------------------------------ plugin policies
 
+def _is_builtin_form(name: str) -> bool:
+    return name in ("auto", "full", "selective", "offload") or re.fullmatch(r"every-\d+", name) is not None
+
+
+def _policy_table(result) -> dict:
+    from memwrap.plugins import PluginContractError
+
+    result = {} if result is None else result
+    if not isinstance(result, dict):
+        raise PluginContractError(f"must return a dict name -> policy, got {type(result).__name__}")
+    clash = [n for n in result if not isinstance(n, str) or _is_builtin_form(n)]
+    if clash:
+        raise PluginContractError(f"registers checkpoint policy {clash[0]!r}, which is not a name a plugin may "
+                                  f"take (a string other than the built-in forms {', '.join(_SHORTHANDS)})")
+    return result
+
+
+def _collect_policies() -> tuple[dict[str, object], dict[str, list[str]]]:
+    """(unambiguous name -> policy, contested name -> origins of the plugins that claim it)."""
+    try:
+        from memwrap.plugin_calls import call_hook
+    except ImportError:  # plugin system not installed: only the built-in forms exist
+        return {}, {}
+    merged: dict[str, object] = {}
+    owners: dict[str, list[str]] = {}
+    for res in call_hook("memwrap_checkpoint_policies", validate=_policy_table,
+                         consequence="Its checkpoint policies are unavailable."):
+        for name, pol in res.result.items():
+            owners.setdefault(name, []).append(res.origin)
+            merged[name] = pol
+    contested = {n: o for n, o in owners.items() if len(o) > 1}
+    return {n: p for n, p in merged.items() if n not in contested}, contested
+
+
 def plugin_policies() -> dict[str, object]:
     """Named policies from the ``memwrap_checkpoint_policies`` plugin hook (empty without a plugin system).
+
+    A plugin whose hook fails is left out (and reported once, see :func:`memwrap.plugins.plugin_errors`);
+    a name two plugins define is left out too (:func:`check_policy_name` says which plugins), so every
+    other policy keeps working.
 
     Example: a plugin returning ``{"mlp-only": lambda n, m: n.endswith(".mlp")}`` makes
     ``wrap(model, checkpoint="mlp-only")`` work.
     """
-    try:
-        from memwrap.plugins import get_plugin_manager
-    except ImportError:  # plugin system not installed: only the built-in forms exist
-        return {}
-    caller = getattr(get_plugin_manager().hook, "memwrap_checkpoint_policies", None)
-    if caller is None:
-        return {}
-    merged: dict[str, object] = {}
-    owner: dict[str, str] = {}
-    for impl in caller.get_hookimpls():  # one at a time so a clash can name both plugins
-        result = impl.function() or {}
-        if not isinstance(result, dict):
-            raise TypeError(f"plugin {impl.plugin_name!r}: memwrap_checkpoint_policies must return a dict "
-                            f"name -> policy, got {type(result).__name__}")
-        for name, pol in result.items():
-            if name in owner:
-                raise ValueError(f"checkpoint policy {name!r} is defined by two plugins, {owner[name]!r} and "
-                                 f"{impl.plugin_name!r}; unregister or rename one of them")
-            if name in ("auto", "full", "selective", "offload") or re.fullmatch(r"every-\d+", name):
-                raise ValueError(f"plugin {impl.plugin_name!r} registers checkpoint policy {name!r}, which is a "
-                                 f"built-in form; choose another name")
-            owner[name], merged[name] = impl.plugin_name, pol
-    return merged
+    return _collect_policies()[0]
+
+
+def check_policy_name(name: str) -> None:
+    """Raise ``ValueError`` naming both plugins when two plugins define the checkpoint policy ``name``.
+
+    Example: ``check_policy_name("mlp-only")`` returns None unless two plugins register ``"mlp-only"``.
+    """
+    contested = _collect_policies()[1].get(name)
+    if contested:
+        raise ValueError(f"checkpoint policy {name!r} is defined by two plugins: {' and '.join(contested)}. "
+                         f"Uninstall one, or block one with MEMWRAP_BLOCK_PLUGINS=<plugin name>.")
 
 
 # ------------------------------------------------------------------ option parsing
@@ -261,7 +288,9 @@ def _parse_string(value: str) -> dict:
     m = re.fullmatch(r"every-(\d+)", value)
     if m:
         return _validate_kwargs({"every": int(m.group(1))}, f"checkpoint={value!r}")
-    named = plugin_policies()
+    named, contested = _collect_policies()
+    if value in contested:
+        check_policy_name(value)
     if value in named:
         pol = named[value]
         return _validate_kwargs(dict(pol), f"plugin policy {value!r}") if isinstance(pol, dict) \

@@ -27,8 +27,8 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.distributed._composable import checkpoint as _composable_checkpoint
 from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
 
-from memwrap.checkpoint_policies import (MODES, find_blocks, parse_checkpoint_option, plugin_policies,
-                                         select_modules, selective_policy)
+from memwrap.checkpoint_policies import (MODES, check_policy_name, find_blocks, parse_checkpoint_option,
+                                         plugin_policies, select_modules, selective_policy)
 from memwrap.errors import closest_hint
 
 __all__ = ["CheckpointReport", "apply_checkpointing", "remove_checkpointing", "find_blocks",
@@ -190,6 +190,7 @@ def resolve_policy(policy, every, mode, offload) -> tuple[object, int, str, bool
                              f"(Shorthands like 'selective' or 'every-2' belong to wrap(checkpoint=...).)")
         found = named[policy]
         if isinstance(found, dict):
+        check_policy_name(policy)  # two plugins defining this name: say which, not "not known"
             kw = parse_checkpoint_option(found)
             # Arguments passed explicitly (non-default) win over the plugin's.
             return (kw["policy"], every if every != 1 else kw.get("every", 1),

@@ -9,9 +9,15 @@ Loading rules (also in ``docs/plugins.md``):
   A skipped plugin can still be registered by hand: ``get_plugin_manager().register(module)``.
 * ``MEMWRAP_BLOCK_PLUGINS=name1,name2`` skips the entry points with those names (built-in or not),
   e.g. to silence a broken plugin or settle a name conflict between two plugins.
-* A plugin that fails to import or to register does not stop the others: memwrap emits one
-  :class:`PluginLoadWarning` naming the entry point, its distribution and the cause, and keeps the
+* A plugin that fails to import or to register (wrong hook arguments, or a hook name that is not a
+  memwrap hook, e.g. a typo) does not stop the others: memwrap emits one :class:`PluginLoadWarning`
+  naming the entry point, its distribution and the cause, registers nothing of it, and keeps the
   failure in :func:`plugin_errors` (so a test or a CLI can turn it into a hard failure).
+* A plugin that loaded but fails when called (a hook raises or returns the wrong type; a method of
+  one of its specs raises or breaks its contract) is isolated the same way: every call into a plugin
+  goes through :mod:`memwrap.plugin_calls`, which records the failure here with the hook or method
+  that failed, warns once, and drops that plugin's result (or raises :class:`PluginError` naming it,
+  where a result is required). Nothing of one plugin's failure reaches the other plugins.
 * From a source tree without installed metadata, the built-ins listed in ``pyproject.toml`` are
   registered directly, so ``import memwrap`` from a checkout still works.
 
@@ -31,6 +37,7 @@ import sys
 import threading
 import tomllib
 import warnings
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,8 +47,8 @@ from memwrap import hookspecs
 
 __all__ = [
     "hookimpl", "get_plugin_manager", "reset_plugin_manager", "plugin_info", "plugin_errors",
-    "plugin_origin", "PluginInfo", "PluginLoadWarning", "ENTRY_POINT_GROUP", "BUILTIN_PACKAGE",
-    "ENV_DISABLE_AUTOLOAD", "ENV_BLOCK",
+    "plugin_origin", "PluginInfo", "PluginLoadWarning", "PluginError", "PluginContractError", "UnknownHookError",
+    "record_failure", "describe_failure", "ENTRY_POINT_GROUP", "BUILTIN_PACKAGE", "ENV_DISABLE_AUTOLOAD", "ENV_BLOCK",
 ]
 
 hookimpl = pluggy.HookimplMarker("memwrap")
@@ -54,7 +61,31 @@ _SOURCE_TREE = Path(__file__).resolve().parent.parent
 
 
 class PluginLoadWarning(UserWarning):
-    """A plugin could not be loaded or registered; the other plugins are unaffected."""
+    """A plugin could not be loaded or registered, or failed when called; the other plugins are unaffected."""
+
+
+class PluginError(RuntimeError):
+    """A call into a plugin failed; ``failure`` is its :func:`plugin_errors` entry (plugin, distribution, hook).
+
+    Raised where the caller needs the result (a spec's ``state_bytes``, a factory returning no optimizer);
+    the plugin's own exception, if any, is the ``__cause__``.
+    """
+
+    def __init__(self, failure: PluginInfo):
+        super().__init__(failure.error)
+        self.failure = failure
+
+
+class PluginContractError(TypeError):
+    """A plugin returned something its hook or method must not return (the message says what and what is due)."""
+
+
+class UnknownHookError(pluggy.PluginValidationError):
+    """A plugin implements a hook memwrap does not declare (usually a typo); the plugin is not registered."""
+
+    def __init__(self, plugin: object, hook: str, message: str):
+        super().__init__(plugin, message)
+        self.hook = hook
 
 
 @dataclass(frozen=True)
@@ -62,7 +93,10 @@ class PluginInfo:
     """What memwrap knows about one plugin entry point.
 
     ``status`` is ``"loaded"``, ``"failed"`` (see ``error``), ``"blocked"`` (``MEMWRAP_BLOCK_PLUGINS``)
-    or ``"skipped"`` (third-party while ``MEMWRAP_DISABLE_PLUGIN_AUTOLOAD`` is set).
+    or ``"skipped"`` (third-party while ``MEMWRAP_DISABLE_PLUGIN_AUTOLOAD`` is set). A failure also names
+    ``hook``, what failed (``"import"``, ``"register"``, a hook name such as ``"memwrap_optimizers"``, or a
+    spec method such as ``"my_sgd.state_bytes"``), and keeps the ``exception``. A plugin registered by
+    hand rather than through an entry point has ``value == ""`` and no distribution.
     """
 
     name: str
@@ -72,16 +106,21 @@ class PluginInfo:
     builtin: bool
     status: str
     error: str | None = None
+    hook: str | None = None
+    exception: BaseException | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def origin(self) -> str:
         """``"name (entry point 'mod') from distribution 'dist' 1.0"``: used in error messages."""
+        if not self.value:
+            return f"plugin {self.name!r} (registered at run time)"
         return f"plugin {self.name!r} (entry point {self.value!r}) from distribution {self.distribution!r} {self.version}"
 
 
 _lock = threading.RLock()
 _manager: pluggy.PluginManager | None = None
 _infos: list[PluginInfo] = []
+_runtime_failures: dict[tuple[str, str], PluginInfo] = {}  # (plugin, hook) -> failure, once each
 _building = False
 
 
@@ -122,6 +161,7 @@ def reset_plugin_manager() -> None:
     with _lock:
         _manager = None
         _infos.clear()
+        _runtime_failures.clear()
 
 
 def plugin_info() -> list[PluginInfo]:
@@ -136,12 +176,57 @@ def plugin_info() -> list[PluginInfo]:
 
 
 def plugin_errors() -> list[PluginInfo]:
-    """The entry points that failed to load or register (empty when all is well).
+    """Every plugin failure so far (empty when all is well): entry points that failed to load or register,
+    then calls into loaded plugins that failed (a hook, or a method of a spec), each with ``name``,
+    ``distribution``, ``hook`` and ``exception``.
 
-    Example:
+    Example (a plugin's CI, after exercising the plugin):
         >>> assert not plugin_errors(), [e.error for e in plugin_errors()]  # doctest: +SKIP
     """
-    return [i for i in plugin_info() if i.status == "failed"]
+    loaded = [i for i in plugin_info() if i.status == "failed"]
+    with _lock:
+        return loaded + list(_runtime_failures.values())
+
+
+def record_failure(plugin_name: str, hook: str, exc: BaseException, consequence: str = "") -> PluginInfo:
+    """Record that calling ``hook`` of plugin ``plugin_name`` failed with ``exc``; warn the first time.
+
+    Returns the :func:`plugin_errors` entry (the first one recorded for this plugin and hook). Used by
+    :mod:`memwrap.plugin_calls`; a :class:`PluginContractError` is described by its message alone.
+
+    Example:
+        >>> record_failure("my_plugin", "memwrap_optimizers", RuntimeError("boom")).hook  # doctest: +SKIP
+        'memwrap_optimizers'
+    """
+    with _lock:
+        known = _runtime_failures.get((plugin_name, hook))
+        if known is not None:
+            return known
+        info = describe_failure(plugin_name, hook, exc, consequence)
+        _runtime_failures[(plugin_name, hook)] = info
+    warnings.warn(info.error, PluginLoadWarning, stacklevel=4)
+    return info
+
+
+def describe_failure(plugin_name: str, hook: str, exc: BaseException, consequence: str = "") -> PluginInfo:
+    """The :class:`PluginInfo` describing a failure of ``hook`` of plugin ``plugin_name``, without recording it.
+
+    Example:
+        >>> describe_failure("torch_optim", "adamw.factory", ValueError("bad lr")).distribution  # doctest: +SKIP
+        'memwrap'
+    """
+    with _lock:
+        base = next((i for i in _infos if i.name == plugin_name and i.status == "loaded"), None)
+    fields = (dict(name=base.name, value=base.value, distribution=base.distribution, version=base.version,
+                   builtin=base.builtin) if base is not None else
+              dict(name=plugin_name, value="", distribution="", version="", builtin=False))
+    origin = PluginInfo(**fields, status="failed").origin
+    what = str(exc) if isinstance(exc, PluginContractError) else f"raised {type(exc).__name__}: {exc}"
+    fix = (f"fix or uninstall {fields['distribution']!r}, or set {ENV_BLOCK}={plugin_name}" if fields["value"]
+           else "fix or unregister it")
+    message = (f"{origin}: {hook} {what}. {consequence + ' ' if consequence else ''}Other plugins are "
+               f"unaffected; {fix}.")
+    return PluginInfo(**fields, status="failed", error=message, hook=hook, exception=exc)
 
 
 def plugin_origin(plugin_name: str) -> str:
@@ -172,8 +257,34 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
+class _Manager(pluggy.PluginManager):
+    """pluggy's manager, except that a plugin implementing an undeclared hook is refused at registration.
+
+    pluggy keeps such implementations "pending" (only ``check_pending()`` complains), so a typo such as
+    ``memwrap_optimizer`` would leave a plugin that loads fine and does nothing. Implementations meant for
+    another plugin's hooks can say so with ``@memwrap.hookimpl(optionalhook=True)``.
+    """
+
+    def register(self, plugin: object, name: str | None = None) -> str | None:
+        registered = super().register(plugin, name)
+        if registered is None:  # blocked
+            return None
+        known = sorted(n for n, c in vars(self.hook).items() if getattr(c, "spec", None) is not None)
+        for caller in self.get_hookcallers(plugin) or []:
+            if caller.spec is None and any(i.plugin is plugin and not i.optionalhook for i in caller.get_hookimpls()):
+                from memwrap.errors import closest_hint
+
+                self.unregister(plugin)
+                raise UnknownHookError(plugin, caller.name, (
+                    f"plugin {registered!r} implements {caller.name!r}, which is not a memwrap hook (known: "
+                    f"{', '.join(known)}).{closest_hint(caller.name, known)} Nothing of the plugin is registered; "
+                    "fix the name, or mark the implementation @memwrap.hookimpl(optionalhook=True) if it belongs "
+                    "to a hook that another plugin declares."))
+        return registered
+
+
 def _build_manager() -> tuple[pluggy.PluginManager, list[PluginInfo]]:
-    pm = pluggy.PluginManager("memwrap")
+    pm = _Manager("memwrap")
     pm.add_hookspecs(hookspecs)
     autoload = not _env_flag(ENV_DISABLE_AUTOLOAD)
     blocked = {n.strip() for n in os.environ.get(ENV_BLOCK, "").split(",") if n.strip()}
@@ -182,8 +293,9 @@ def _build_manager() -> tuple[pluggy.PluginManager, list[PluginInfo]]:
 
     infos: list[PluginInfo] = []
     eps = _entry_points()
-    if not any(_is_builtin(ep.value) for ep in eps):
-        _load_builtins_from_source_tree(pm, infos, blocked)
+    # Built-ins the installed metadata does not list (none without an install; some when pyproject.toml gained
+    # a plugin after an editable install) are registered from the source tree.
+    _load_builtins_from_source_tree(pm, infos, blocked, listed={ep.name for ep in eps if _is_builtin(ep.value)})
     # Built-ins first, so that a third-party entry point can never take a built-in's name.
     for ep in sorted(eps, key=lambda e: (not _is_builtin(e.value), e.name)):
         dist = getattr(ep, "dist", None)
@@ -207,18 +319,18 @@ def _load_one(pm, infos, name, value, load, dist_name, version, builtin, autoloa
     if pm.has_plugin(name):
         return _failed(info, f"{origin} was not loaded: the plugin name {name!r} is already taken by "
                              f"{_describe_registered(name, infos)}. Rename one entry point, or block one with "
-                             f"{ENV_BLOCK}={name}.")
+                             f"{ENV_BLOCK}={name}.", "register")
     try:
         plugin = load()
     except Exception as exc:  # any import-time failure must not take the other plugins down
         return _failed(info, f"{origin} failed to import: {type(exc).__name__}: {exc}. Other plugins are "
-                             f"unaffected; fix or uninstall {dist_name!r}, or set {ENV_BLOCK}={name}.")
+                             f"unaffected; fix or uninstall {dist_name!r}, or set {ENV_BLOCK}={name}.", "import", exc)
     try:
         pm.register(plugin, name=name)
     except Exception as exc:
         return _failed(info, f"{origin} failed to register: {type(exc).__name__}: {exc}. Other plugins are "
-                             f"unaffected; fix or uninstall {dist_name!r}, or set {ENV_BLOCK}={name}.")
-    _warn_unknown_hooks(pm, plugin, origin)
+                             f"unaffected; fix or uninstall {dist_name!r}, or set {ENV_BLOCK}={name}.",
+                       getattr(exc, "hook", "register"), exc)
     return PluginInfo(**info, status="loaded")
 
 
@@ -229,35 +341,25 @@ def _describe_registered(name: str, infos: list[PluginInfo]) -> str:
     return f"an already registered plugin named {name!r}"
 
 
-def _failed(info: dict, message: str) -> PluginInfo:
+def _failed(info: dict, message: str, hook: str | None = None, exc: BaseException | None = None) -> PluginInfo:
     warnings.warn(message, PluginLoadWarning, stacklevel=4)
-    return PluginInfo(**info, status="failed", error=message)
+    return PluginInfo(**info, status="failed", error=message, hook=hook, exception=exc)
 
 
-def _warn_unknown_hooks(pm: pluggy.PluginManager, plugin: object, origin: str) -> None:
-    # pluggy keeps implementations of unknown hooks "pending" without a word; a typo in a hook
-    # name would then silently do nothing, so say it once.
-    known = [n for n in dir(hookspecs) if n.startswith("memwrap_")]
-    for caller in pm.get_hookcallers(plugin) or []:
-        if caller.spec is None and any(i.plugin is plugin and not i.optionalhook for i in caller.get_hookimpls()):
-            from memwrap.errors import closest_hint
-
-            warnings.warn(f"{origin} implements {caller.name!r}, which is not a memwrap hook "
-                          f"(known: {', '.join(known)}).{closest_hint(caller.name, known)}",
-                          PluginLoadWarning, stacklevel=5)
-
-
-def _load_builtins_from_source_tree(pm: pluggy.PluginManager, infos: list[PluginInfo], blocked: set[str]) -> None:
-    """Register the built-ins named in ``pyproject.toml`` when no installed metadata lists them."""
+def _load_builtins_from_source_tree(pm: pluggy.PluginManager, infos: list[PluginInfo], blocked: set[str],
+                                    listed: set[str] = frozenset()) -> None:
+    """Register the built-ins named in ``pyproject.toml`` that no installed metadata lists (``listed``)."""
     pyproject = _SOURCE_TREE / "pyproject.toml"
     if not pyproject.is_file():
+        if listed:  # an installed memwrap: its metadata is the list
+            return
         warnings.warn("memwrap's built-in plugins were not found: no entry points in group "
                       f"{ENTRY_POINT_GROUP!r} and no {pyproject}. Reinstall memwrap (pip install memwrap).",
                       PluginLoadWarning, stacklevel=3)
         return
     table = tomllib.loads(pyproject.read_text()).get("project", {}).get("entry-points", {}).get(ENTRY_POINT_GROUP, {})
     for name, value in sorted(table.items()):
-        if _is_builtin(value):
+        if _is_builtin(value) and name not in listed:
             infos.append(_load_one(pm, infos, name, value, lambda v=value: _import_builtin(v),
                                    "memwrap (source tree)", "", True, True, blocked))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import threading
 import warnings
 from collections.abc import Callable, Mapping
@@ -22,12 +23,13 @@ import torch
 from torch import nn
 
 from memwrap.errors import closest_hint
-from memwrap.plugins import PluginLoadWarning, get_plugin_manager, plugin_origin
+from memwrap.plugin_calls import FieldRule, call_hook, guard_fields
+from memwrap.plugins import PluginContractError, PluginError, get_plugin_manager, plugin_errors
 
 __all__ = [
     "OptimizerSpec", "OptimizerRow", "OptimizerUnavailableError", "OptimizerConflictError",
     "UnknownOptimizerError", "ConversionWarning", "get_optimizer_spec", "create_optimizer",
-    "optimizers", "convert_optimizer", "predict_state_bytes", "measure_state_bytes",
+    "optimizers", "convert_optimizer", "predict_state_bytes", "measure_state_bytes", "spec_plugin",
 ]
 
 # Group keys that choose a kernel, not the maths: dropped silently on conversion.
@@ -174,6 +176,7 @@ class _Registry:
     by_name: dict[str, tuple[OptimizerSpec, str]]
     conflicts: dict[str, list[tuple[OptimizerSpec, str]]]
     entries: list[tuple[OptimizerSpec, str]]
+    plugins: dict[int, str] = field(default_factory=dict)  # id(spec) -> name of the plugin that provides it
 
 
 _cache: tuple[object, _Registry] | None = None
@@ -186,27 +189,65 @@ def _registry() -> _Registry:
     key = (id(pm), tuple(sorted((name, id(p)) for name, p in pm.list_name_plugin())))
     with _cache_lock:
         if _cache is None or _cache[0] != key:
-            _cache = (key, _collect(pm))
+            _cache = (key, _collect())
         return _cache[1]
 
 
-def _collect(pm) -> _Registry:
+def _specs_only(result) -> list[OptimizerSpec]:
+    specs = list(result or [])
+    bad = [s for s in specs if not isinstance(s, OptimizerSpec)]
+    if bad:
+        raise PluginContractError(f"must return a list of OptimizerSpec objects, got {bad[0]!r}")
+    return specs
+
+
+def _describe(value) -> str:
+    return "None" if value is None else f"{type(value).__module__}.{type(value).__qualname__} {value!r:.60}"
+
+
+def _check_available(result) -> str | None:
+    if isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[0], bool) \
+            and isinstance(result[1], str):
+        return None
+    return f"returned {_describe(result)}; available() must return (ok: bool, install_hint: str)"
+
+
+def _check_bytes(result) -> str | None:
+    try:
+        whole = not isinstance(result, bool) and int(result) == result and result >= 0
+    except (TypeError, ValueError, OverflowError):
+        whole = False
+    return None if whole else f"returned {_describe(result)}; it must return a whole number of bytes >= 0"
+
+
+def _check_optimizer(result) -> str | None:
+    if isinstance(result, torch.optim.Optimizer):
+        return None
+    return (f"returned {_describe(result)}, not a torch.optim.Optimizer: a factory must build the optimizer and "
+            "return it")
+
+
+# How the callables of a spec are guarded (memwrap.plugin_calls): a callable field not named here (one added
+# to OptimizerSpec later, or by a subclass) is guarded too, with the default rule (a failure is the plugin's).
+_FIELD_RULES = {
+    "available": FieldRule(check=_check_available, fallback=lambda failure: (False, failure.error)),
+    "state_bytes": FieldRule(check=_check_bytes),
+    "shared_state_bytes": FieldRule(check=_check_bytes),
+    # Both receive the caller's arguments (hyperparameters, the model): an exception may be the caller's.
+    "factory": FieldRule(check=_check_optimizer, caller_errors=True),
+    "bind_model": FieldRule(caller_errors=True),
+    "trainer_kwargs": FieldRule(caller_errors=True),  # its ValueError names the user's optim_args
+}
+
+
+def _collect() -> _Registry:
     entries: list[tuple[OptimizerSpec, str]] = []
-    # Each implementation is called on its own so that one failing plugin does not hide the others.
-    for impl in pm.hook.memwrap_optimizers.get_hookimpls():
-        if impl.hookwrapper or impl.wrapper:
-            continue
-        origin = plugin_origin(impl.plugin_name)
-        try:
-            specs = list(impl.function() or [])
-            bad = [s for s in specs if not isinstance(s, OptimizerSpec)]
-            if bad:
-                raise TypeError(f"memwrap_optimizers() must return OptimizerSpec objects, got {bad[0]!r}")
-        except Exception as exc:
-            warnings.warn(f"{origin}: memwrap_optimizers() failed: {type(exc).__name__}: {exc}. Its optimizers are "
-                          "unavailable; other plugins are unaffected.", PluginLoadWarning, stacklevel=4)
-            continue
-        entries.extend((s, origin) for s in specs)
+    plugins: dict[int, str] = {}
+    for res in call_hook("memwrap_optimizers", validate=_specs_only, consequence="Its optimizers are unavailable."):
+        for spec in res.result:
+            guarded = guard_fields(spec, res.plugin, spec.name, _FIELD_RULES)
+            plugins[id(guarded)] = res.plugin
+            entries.append((guarded, res.origin))
     by_name: dict[str, tuple[OptimizerSpec, str]] = {}
     conflicts: dict[str, list[tuple[OptimizerSpec, str]]] = {}
     for entry in entries:
@@ -217,7 +258,18 @@ def _collect(pm) -> _Registry:
                 conflicts[n] = [by_name.pop(n), entry]
             else:
                 by_name[n] = entry
-    return _Registry(by_name, conflicts, entries)
+    return _Registry(by_name, conflicts, entries, plugins)
+
+
+def spec_plugin(spec: OptimizerSpec | str) -> str | None:
+    """The name of the plugin that provides ``spec`` (a spec from the registry, or a name), or None.
+
+    Example:
+        >>> spec_plugin("adamw")
+        'torch_optim'
+    """
+    spec = get_optimizer_spec(spec) if isinstance(spec, str) else spec
+    return _registry().plugins.get(id(spec))
 
 
 def get_optimizer_spec(name: str) -> OptimizerSpec:
@@ -237,15 +289,21 @@ def get_optimizer_spec(name: str) -> OptimizerSpec:
     if key not in reg.by_name:
         listing = ", ".join(sorted(spec.name + (f" ({', '.join(spec.aliases)})" if spec.aliases else "")
                                    for spec, _ in {id(e[0]): e for e in reg.by_name.values()}.values()))
+        failed = "; ".join(f"{e.origin} failed ({e.hook})" for e in plugin_errors())
         raise UnknownOptimizerError(f"unknown optimizer {name!r}.{closest_hint(key, reg.by_name)} "
-                                    f"Available: {listing or 'none (no optimizer plugin loaded)'}.")
+                                    f"Available: {listing or 'none (no optimizer plugin loaded)'}."
+                                    + (f" Plugins that failed, which may be why: {failed} (see "
+                                       "memwrap.plugins.plugin_errors())." if failed else ""))
     return reg.by_name[key][0]
 
 
 def _require_available(spec: OptimizerSpec) -> None:
     ok, hint = spec.available()
     if not ok:
-        raise OptimizerUnavailableError(f"optimizer {spec.name!r} is not available: {hint}")
+        # When available() itself failed, chain its failure so that callers can tell the plugin is at fault.
+        failure = next((e for e in plugin_errors() if e.hook == f"{spec.name}.available" and e.error == hint), None)
+        cause = PluginError(failure) if failure is not None else None
+        raise OptimizerUnavailableError(f"optimizer {spec.name!r} is not available: {hint}") from cause
 
 
 def _split_model(params, model):
@@ -379,6 +437,9 @@ def measure_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def optimizers() -> list[OptimizerRow]:
     """List the registered optimizers: availability, install hint, state bytes per fp32 parameter.
 
+    A spec whose plugin fails (``available`` or ``state_bytes`` raises or breaks its contract) is listed as
+    unavailable, with what failed as its hint; the failure is in :func:`memwrap.plugins.plugin_errors`.
+
     The state figure is for one fp32 1024x1024 weight matrix (block-wise quantization scales
     included), so it reads as bytes per parameter of a large layer.
 
@@ -390,11 +451,14 @@ def optimizers() -> list[OptimizerRow]:
     probe = torch.empty(1024, 1024, device="meta")
     rows = []
     for spec, origin in reg.entries:
-        ok, hint = spec.available()
+        ok, hint = spec.available()  # a plugin failure here reads (False, what failed)
         conflict = [n for n in spec.names if n in reg.conflicts]
         if conflict:
             ok, hint = False, f"name conflict on {', '.join(conflict)}: see get_optimizer_spec({conflict[0]!r})"
-        per_param = spec.state_bytes(probe, module=None, **spec.defaults) / probe.numel()
+        try:
+            per_param = spec.state_bytes(probe, module=None, **spec.defaults) / probe.numel()
+        except PluginError as exc:  # recorded and warned once; the listing goes on
+            ok, hint, per_param = False, str(exc), math.nan
         rows.append(OptimizerRow(spec.name, spec.aliases, ok, per_param, "" if ok else hint, origin, spec.fused, spec.paged))
     return sorted(rows, key=lambda r: r.name)
 

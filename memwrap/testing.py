@@ -19,9 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["check_optimizer", "RegressionModel", "regression_batch", "CHECKS"]
+from memwrap.precision_check import PRECISION_CHECKS, check_precision  # the precision plugins' kit
+
+__all__ = ["check_optimizer", "check_precision", "RegressionModel", "regression_batch", "CHECKS", "PRECISION_CHECKS"]
 
 CHECKS = ("spec", "loss", "state_dict", "state_bytes", "fake", "grad_scaler", "wrap")
+# Not selectable: whatever checks run, a failure of the plugin itself (a spec method that raised or broke its
+# contract, recorded in memwrap.plugins.plugin_errors(), before or during the checks) fails as [plugin].
+PLUGIN_CHECK = "plugin"
 
 
 class RegressionModel(nn.Module):
@@ -77,7 +82,10 @@ def check_optimizer(name: str, *, device: str | torch.device = "cpu", steps: int
     measured state after the first step within 1%; the step runs on FakeTensors when the spec
     says so; with fp16 ``GradScaler`` an inf gradient skips the update and finite ones apply it
     (when ``scaler_ok``); behind ``memwrap.wrap(accumulate=2, precision="fp16")`` the
-    parameters change only at window ends.
+    parameters change only at window ends. A failure of the plugin inside a check (``state_bytes``
+    raising, a factory returning no optimizer, ...) fails that check naming the plugin; a failure of
+    one of the spec's methods recorded in :func:`memwrap.plugins.plugin_errors` (even one swallowed
+    elsewhere, e.g. ``available`` raising while ``memwrap.optimizers()`` listed it) fails ``[plugin]``.
 
     Example:
         >>> check_optimizer("adamw", lr=1e-2)
@@ -97,6 +105,7 @@ def check_optimizer(name: str, *, device: str | torch.device = "cpu", steps: int
         return model.to(device) if move else model
 
     ok, hint = spec.available()
+    _check_plugin_failures(name, spec)
     if not ok:
         raise OptimizerUnavailableError(f"check_optimizer({name!r}): optimizer not available: {hint}")
     if device.type not in spec.devices:
@@ -104,7 +113,28 @@ def check_optimizer(name: str, *, device: str | torch.device = "cpu", steps: int
     ctx = dict(name=name, spec=spec, device=device, steps=steps, seed=seed, fresh=fresh, hp=hyperparameters)
     for check in CHECKS:
         if check in checks:
-            _CHECK_FUNCS[check](**ctx)
+            try:
+                _CHECK_FUNCS[check](**ctx)
+            except AssertionError:
+                raise
+            except Exception as exc:
+                from memwrap.plugin_calls import plugin_failure_of
+
+                failure = plugin_failure_of(exc)
+                if failure is None:
+                    raise
+                raise _fail(name, check, failure.error) from exc
+    _check_plugin_failures(name, spec)
+
+
+def _check_plugin_failures(name, spec) -> None:
+    from memwrap.plugins import plugin_errors
+    from memwrap.registry import spec_plugin
+
+    plugin = spec_plugin(spec)
+    mine = [e for e in plugin_errors() if e.name == plugin and (e.hook or "").startswith(f"{spec.name}.")]
+    if mine:
+        raise _fail(name, PLUGIN_CHECK, "the plugin failed: " + " | ".join(e.error for e in mine))
 
 
 def _create(name, model, hp):
