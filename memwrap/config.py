@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from memwrap.errors import closest_hint
-from memwrap.precision import PRECISIONS
+from memwrap.precision import get_precision_class
 
 __all__ = ["Options", "parse_options", "options_from", "HF_ALIASES"]
 
@@ -34,6 +34,8 @@ class Options:
     on_nonfinite: str = "skip"
     monitor: int | None = None
     scaler: dict[str, Any] | None = None  # fp16 GradScaler settings (memwrap.loss_scale)
+    compensation: str | None = None  # how a precision without master weights keeps small updates (bf16-true)
+    step_in_backward: bool = False  # each parameter steps as soon as its gradient is final (memwrap.step_in_backward)
 
     def to_kwargs(self) -> dict[str, Any]:
         """The options that differ from the defaults, ready for ``wrap(**kwargs)``."""
@@ -105,11 +107,13 @@ def _resolve_aliases(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _validate(values: dict[str, Any]) -> None:
-    precision = values.get("precision", "fp32")
-    if precision not in PRECISIONS:
-        raise ValueError(
-            f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}.{closest_hint(precision, PRECISIONS)}"
-        )
+    # The precision plugins decide what exists; names and aliases ("BF16", "bf16-mixed") become the canonical name,
+    # and the plugin checks its own settings (compensation=).
+    precision_class = get_precision_class(values.get("precision", "fp32"))
+    precision = values["precision"] = precision_class.name
+    precision_class(compensation=values.get("compensation"))
+    if not isinstance(values.get("step_in_backward", False), bool):
+        raise ValueError(f"step_in_backward must be True or False, got {values['step_in_backward']!r}.")
     accumulate = values.get("accumulate", 1)
     if isinstance(accumulate, bool) or not isinstance(accumulate, numbers.Integral) or accumulate < 1:
         raise ValueError(

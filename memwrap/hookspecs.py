@@ -44,6 +44,30 @@ def memwrap_optimizers() -> list[OptimizerSpec]:
 
 
 @hookspec
+def memwrap_precisions() -> list[type]:
+    """Return the precision modes this plugin provides.
+
+    :return: a list (possibly empty) of subclasses of :class:`memwrap.precision.Precision` (classes,
+        not instances: ``wrap()`` makes a fresh instance per wrapped model, passing the
+        ``compensation=`` option, so that process-wide settings are saved and restored per model).
+
+    A class states its storage dtype (``param_dtype``), its autocast dtype, whether it scales the
+    loss (``uses_scaler``), what it requires of the optimizer (``optimizer_requirement``, enforced by
+    ``check_optimizer`` before anything changes and met by ``convert_optimizer``) and its memory
+    effect (``memory_per_param``); the base class's methods are neutral, so a mode overrides only
+    what differs. ``name`` is lower case with ``-`` separators; names and ``aliases`` are matched
+    case-insensitively and must be unique across all plugins (two plugins claiming one name make
+    lookups of that name raise an error naming both).
+
+    Called when a precision is first looked up (and again whenever the set of registered plugins
+    has changed). All results are collected (not ``firstresult``). Like every memwrap hook it must
+    be cheap and must not import heavy optional dependencies (import them inside the methods). An
+    exception raised here, or a result that is not a valid ``Precision`` subclass, is reported as a
+    warning naming the plugin; the other plugins' precisions remain usable.
+    """
+
+
+@hookspec
 def memwrap_checkpoint_policies() -> dict[str, object]:
     """Return named activation-checkpointing policies this plugin provides.
 

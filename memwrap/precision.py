@@ -1,45 +1,150 @@
-"""Precision modes: one small class each, overriding only what differs from the fp32 base.
+"""Precision modes are plugins: this module holds their neutral base class and the registry.
 
-The base class has a neutral body for every method (no autocast, a disabled GradScaler),
-so the training path has one shape whatever the mode.
+A precision plugin decides four things (the shape follows Lightning Fabric's precision plugins:
+every method of the base class has a neutral body, each mode overrides only what differs):
+
+* the dtype parameters (and so gradients) are stored in: :attr:`Precision.param_dtype`,
+  applied by :meth:`Precision.convert_module`;
+* the forward context: :meth:`Precision.autocast`;
+* loss scaling: :meth:`Precision.make_scaler` (a disabled ``GradScaler`` when none is needed);
+* what it requires of the optimizer so that updates stay accurate: :meth:`Precision.check_optimizer`
+  (validation, before anything changes) and :meth:`Precision.convert_optimizer` (the action);
+
+plus process-wide settings (:meth:`Precision.enable`/:meth:`Precision.restore`, e.g. TF32) and its
+memory effect for the planner (:meth:`Precision.memory_per_param`).
+
+The built-in modes (``fp32``, ``tf32``, ``bf16``, ``fp16``, ``bf16-true``) live in ``plugins/``
+and are registered through the ``memwrap_precisions`` hook, like a third party's.
+
+Example:
+    >>> p = get_precision("BF16-mixed")  # names are case-insensitive; Lightning's names are aliases
+    >>> p.name, p.autocast_dtype
+    ('bf16', torch.bfloat16)
 """
 from __future__ import annotations
 
 import contextlib
-import warnings
+import dataclasses
+import threading
+from typing import Any
 
 import torch
+from torch import nn
 
 from memwrap.errors import closest_hint
 
-__all__ = ["Precision", "TF32", "BF16", "FP16", "get_precision", "PRECISIONS"]
+__all__ = [
+    "Precision", "AutocastPrecision", "PrecisionRow", "PrecisionConflictError", "UnknownPrecisionError",
+    "get_precision", "get_precision_class", "resolve_precision", "precision_names", "precisions",
+    "normalize_precision_name", "PRECISIONS",
+]
+
+
+class UnknownPrecisionError(ValueError):
+    """No precision plugin registers this name or alias."""
+
+
+class PrecisionConflictError(ValueError):
+    """Two precision plugins claim the same name or alias."""
 
 
 class Precision:
-    """fp32: the neutral mode. No autocast, no loss scaling.
+    """The neutral precision: fp32 storage, no autocast, no loss scaling, any optimizer.
+
+    Subclass it (or :class:`AutocastPrecision`) and override only what differs. Class attributes
+    describe the mode; a fresh instance is made per ``wrap()`` call, so instance state (a saved
+    global setting) belongs to one wrapped model.
+
+    Attributes:
+        name: canonical name, lower case with ``-`` separators (``"bf16-true"``).
+        aliases: other accepted names; matching is case-insensitive and ``_``/``-`` blind.
+        param_dtype: dtype floating parameters (hence gradients) are stored in; None keeps the model's.
+        autocast_dtype: dtype of the forward's autocast region, or None.
+        uses_scaler: whether the loss is scaled (fp16): gradients are unscaled before clipping/stepping.
+        optimizer_requirement: one line saying what the optimizer must do; "" when anything goes.
+        compensations: values the ``compensation=`` wrap option may take with this mode (empty: the
+            option must stay unset).
+        description: one line for :func:`precisions`.
 
     Example:
-        >>> p = get_precision("fp32")
-        >>> with p.autocast("cpu"):
-        ...     pass
+        >>> Precision().memory_per_param(torch.empty(10, device="meta"))
+        {'weights': 40, 'grads': 40}
     """
 
     name = "fp32"
+    aliases: tuple[str, ...] = ()
+    param_dtype: torch.dtype | None = None
     autocast_dtype: torch.dtype | None = None
     uses_scaler = False
+    optimizer_requirement = ""
+    compensations: tuple[str, ...] = ()
+    description = "fp32 weights and maths; no autocast, no loss scaling."
 
+    def __init__(self, compensation: str | None = None):
+        if compensation is not None and compensation not in self.compensations:
+            if not self.compensations:
+                raise ValueError(f"compensation={compensation!r} only applies to precisions whose optimizer updates need "
+                                 f"compensating (e.g. 'bf16-true'); precision={self.name!r} has none. Fix: drop compensation=.")
+            raise ValueError(f"compensation={compensation!r} is not known to precision={self.name!r}; valid: "
+                             f"{', '.join(self.compensations)}.{closest_hint(compensation, self.compensations)}")
+        self.compensation = compensation
+
+    # -- validation (before anything changes) -----------------------------------------------
     def check(self, device_type: str) -> None:
         """Raise if this mode cannot run on ``device_type``; the neutral mode runs anywhere."""
 
-    def autocast(self, device_type: str):
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Raise (naming the fix) if ``optimizer`` cannot meet :attr:`optimizer_requirement`. Changes nothing.
+
+        ``optimizer`` is the one that would step (after ``optim=`` conversion). Returns True when
+        :meth:`convert_optimizer` will replace it (so ``wrap()`` can refuse, before anything
+        changes, a scheduler still driving the old one).
+        """
+        return False
+
+    # -- actions, in the order wrap() calls them ------------------------------------------------
+    def enable(self) -> None:
+        """Switch on process-wide settings this mode needs; undone by :meth:`restore`."""
+
+    def restore(self) -> None:
+        """Undo :meth:`enable` (called by ``unwrap`` and by a ``wrap`` that fails later). Idempotent."""
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Store the parameters in :attr:`param_dtype` (in place: parameter objects and keys stay)."""
+        return module
+
+    def convert_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module | None = None, *,
+                          step_in_backward: bool = False) -> torch.optim.Optimizer:
+        """Return the optimizer to step (the same one, or a compensated equivalent built from it).
+
+        ``step_in_backward``: a replacement must be able to step one parameter at a time
+        (see :mod:`memwrap.step_in_backward`).
+        """
+        return optimizer
+
+    # -- the training path -------------------------------------------------------------------
+    def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
+        """The forward's context (``torch.autocast`` or nothing)."""
         return contextlib.nullcontext()
 
     def make_scaler(self, device_type: str) -> torch.amp.GradScaler:
         # A disabled scaler turns every GradScaler call into a no-op, so callers keep one code path.
         return torch.amp.GradScaler(_scaler_device(device_type), enabled=False)
 
+    # -- memory effect (the planner) ----------------------------------------------------------
+    def memory_per_param(self, param: torch.Tensor) -> dict[str, int]:
+        """Bytes this mode stores for ``param`` once wrapped: its weights and its gradient.
+
+        Works on meta and fake tensors. Optimizer state follows the stored dtype (the optimizer's
+        ``state_bytes`` on a parameter of that dtype), so it is not counted here.
+        """
+        size = (self.param_dtype.itemsize if self.param_dtype is not None and param.is_floating_point()
+                else param.element_size())
+        return {"weights": param.numel() * size, "grads": param.numel() * size}
+
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        extra = f"compensation={self.compensation!r}" if self.compensation is not None else ""
+        return f"{type(self).__name__}({extra})"
 
 
 def _scaler_device(device_type: str) -> str:
@@ -47,12 +152,11 @@ def _scaler_device(device_type: str) -> str:
     return device_type if device_type in ("cpu", "cuda", "xpu", "mps", "hpu", "xla") else "cpu"
 
 
-class _Autocast(Precision):
-    """Shared body of the autocast modes: run the forward under ``torch.autocast``."""
+class AutocastPrecision(Precision):
+    """Shared body of the autocast modes: run the forward under ``torch.autocast(autocast_dtype)``."""
 
     def check(self, device_type: str) -> None:
-        available = torch.amp.autocast_mode.is_autocast_available(device_type)
-        if not available:
+        if not torch.amp.autocast_mode.is_autocast_available(device_type):
             raise ValueError(
                 f"precision={self.name!r} needs autocast, which torch does not support on device "
                 f"type {device_type!r}. Fix: move the model to a device with autocast support "
@@ -61,7 +165,7 @@ class _Autocast(Precision):
         if device_type == "cuda" and self.autocast_dtype is torch.bfloat16 and torch.cuda.is_available():
             if not torch.cuda.is_bf16_supported():
                 raise ValueError(
-                    "precision='bf16' needs a GPU with bfloat16 support (Ampere or newer); this "
+                    f"precision={self.name!r} needs a GPU with bfloat16 support (Ampere or newer); this "
                     "one has none. Fix: use precision='fp16' (with loss scaling) or 'fp32'."
                 )
 
@@ -69,64 +173,229 @@ class _Autocast(Precision):
         return torch.autocast(device_type=device_type, dtype=self.autocast_dtype)
 
 
-class BF16(_Autocast):
-    """bf16 autocast: same exponent range as fp32, so no loss scaling is needed."""
+# -- the registry: what the memwrap_precisions hook contributes ----------------------------------
 
-    name = "bf16"
-    autocast_dtype = torch.bfloat16
-
-
-class FP16(_Autocast):
-    """fp16 autocast plus a GradScaler, because fp16 gradients underflow without loss scaling."""
-
-    name = "fp16"
-    autocast_dtype = torch.float16
-    uses_scaler = True
-
-    def make_scaler(self, device_type: str) -> torch.amp.GradScaler:
-        return torch.amp.GradScaler(_scaler_device(device_type), enabled=True)
-
-
-class TF32(Precision):
-    """fp32 storage with TF32 tensor-core matmuls (CUDA Ampere+); on other devices it is plain fp32.
-
-    TF32 is a global torch setting, not a context: it is switched on by :meth:`enable`
-    (called by ``wrap``) and restored by :meth:`restore` (called by ``unwrap``).
-    """
-
-    name = "tf32"
-    _previous: str | None = None
-
-    def check(self, device_type: str) -> None:
-        if device_type != "cuda":
-            warnings.warn(
-                f"precision='tf32' only changes CUDA matmuls; on {device_type!r} it trains in plain fp32.",
-                stacklevel=4,
-            )
-
-    def enable(self) -> None:
-        self._previous = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("high")
-
-    def restore(self) -> None:
-        if self._previous is not None:
-            torch.set_float32_matmul_precision(self._previous)
-            self._previous = None
-
-
-PRECISIONS: dict[str, type[Precision]] = {"fp32": Precision, "tf32": TF32, "bf16": BF16, "fp16": FP16}
-
-
-def get_precision(name: str) -> Precision:
-    """Return a fresh precision mode by name.
+def normalize_precision_name(name: str) -> str:
+    """``" BF16_Mixed "`` -> ``"bf16-mixed"``: lower case, ``-`` separators.
 
     Example:
-        >>> get_precision("bf16").autocast_dtype
-        torch.bfloat16
+        >>> normalize_precision_name("Pure_BF16")
+        'pure-bf16'
     """
-    try:
-        return PRECISIONS[name]()
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown precision {name!r}; valid: {', '.join(PRECISIONS)}.{closest_hint(name, PRECISIONS)}"
-        ) from None
+    return name.strip().lower().replace("_", "-")
+
+
+@dataclasses.dataclass
+class _Registry:
+    by_name: dict[str, tuple[type[Precision], str]]
+    conflicts: dict[str, list[tuple[type[Precision], str]]]
+    entries: list[tuple[type[Precision], str]]
+
+
+_cache: tuple[object, _Registry] | None = None
+_cache_lock = threading.Lock()
+
+
+def _registry() -> _Registry:
+    global _cache
+    from memwrap.plugins import get_plugin_manager
+
+    pm = get_plugin_manager()
+    # The plugin objects themselves, compared by identity: holding them keeps their ids from being reused by a
+    # plugin registered later (an id-only key can mistake a new plugin for an unregistered one).
+    key = (pm, *(plugin for _, plugin in sorted(pm.list_name_plugin(), key=lambda item: item[0])))
+    with _cache_lock:
+        if _cache is None or len(_cache[0]) != len(key) or any(a is not b for a, b in zip(_cache[0], key)):
+            _cache = (key, _collect(pm))
+        return _cache[1]
+
+
+def _validate_result(result: Any) -> list[type[Precision]]:
+    """A hook result as a list of valid Precision subclasses; raises PluginContractError otherwise."""
+    from memwrap.plugins import PluginContractError
+
+    classes = list(result or [])
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, Precision)):
+            raise PluginContractError(f"memwrap_precisions() must return Precision subclasses, got {cls!r}")
+        if not isinstance(cls.name, str) or not cls.name or normalize_precision_name(cls.name) != cls.name:
+            raise PluginContractError(f"{cls.__name__}.name must be lower case with '-' separators, got {cls.name!r}")
+        for attr in ("param_dtype", "autocast_dtype"):
+            value = getattr(cls, attr)
+            if value is not None and not isinstance(value, torch.dtype):
+                raise PluginContractError(f"{cls.__name__}.{attr} must be a torch.dtype or None, got {value!r}")
+    return classes
+
+
+def _collect(pm) -> _Registry:
+    from memwrap.plugin_calls import call_hook
+
+    # Each implementation is called on its own (memwrap.plugin_calls), so one failing plugin does not hide the others.
+    entries = [(cls, r.origin) for r in call_hook("memwrap_precisions", validate=_validate_result,
+                                                  consequence="Its precisions are unavailable.")
+               for cls in r.result]
+    by_name: dict[str, tuple[type[Precision], str]] = {}
+    conflicts: dict[str, list[tuple[type[Precision], str]]] = {}
+    for entry in entries:
+        for n in dict.fromkeys([entry[0].name, *(normalize_precision_name(a) for a in entry[0].aliases)]):
+            if n in conflicts:
+                conflicts[n].append(entry)
+            elif n in by_name:
+                conflicts[n] = [by_name.pop(n), entry]
+            else:
+                by_name[n] = entry
+    return _Registry(by_name, conflicts, entries)
+
+
+def precision_names() -> list[str]:
+    """Canonical names of the registered precisions (aliases not included).
+
+    Example:
+        >>> precision_names()  # doctest: +SKIP
+        ['bf16', 'bf16-true', 'fp16', 'fp32', 'tf32']
+    """
+    return sorted({cls.name for cls, _ in _registry().entries})
+
+
+def get_precision_class(name: Any) -> type[Precision]:
+    """The precision class registered as ``name`` or one of its aliases (case-insensitive).
+
+    Raises :class:`UnknownPrecisionError` (a ``ValueError``) naming the valid choices and the
+    closest one; a non-string (``["bf16"]``) is refused with the same error, not a ``TypeError``.
+
+    Example:
+        >>> get_precision_class("16-mixed").name
+        'fp16'
+    """
+    reg = _registry()
+    if not isinstance(name, str):
+        raise UnknownPrecisionError(
+            f"precision must be a string such as 'bf16', got {type(name).__name__} {name!r}. "
+            f"Valid: {_listing(reg)}.")
+    key = normalize_precision_name(name)
+    if key in reg.conflicts:
+        claims = "; ".join(f"{origin} ({cls.__name__})" for cls, origin in reg.conflicts[key])
+        raise PrecisionConflictError(
+            f"precision name {name!r} is claimed by more than one plugin: {claims}. Uninstall one of them, or "
+            "block one with MEMWRAP_BLOCK_PLUGINS=<plugin name>.")
+    if key not in reg.by_name:
+        raise UnknownPrecisionError(f"unknown precision {name!r}.{closest_hint(key, reg.by_name)} Valid: {_listing(reg)}.")
+    return reg.by_name[key][0]
+
+
+def _listing(reg: _Registry) -> str:
+    classes = {cls.name: cls for cls, _ in reg.entries}
+    return ", ".join(f"{n} ({', '.join(classes[n].aliases)})" if classes[n].aliases else n
+                     for n in sorted(classes)) or "none (no precision plugin loaded)"
+
+
+def resolve_precision(name: Any) -> str:
+    """The canonical name of a precision given by name or alias.
+
+    Example:
+        >>> resolve_precision("bf16-mixed")
+        'bf16'
+    """
+    return get_precision_class(name).name
+
+
+def get_precision(name: Any, **settings: Any) -> Precision:
+    """A fresh precision mode by name or alias; ``settings`` (e.g. ``compensation``) go to its constructor.
+
+    Example:
+        >>> get_precision("fp16").uses_scaler
+        True
+    """
+    return get_precision_class(name)(**settings)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionRow:
+    """One line of :func:`precisions`; byte figures are per parameter of an fp32 model."""
+
+    name: str
+    aliases: tuple[str, ...]
+    param_dtype: str
+    autocast_dtype: str | None
+    loss_scaling: bool
+    optimizer_requirement: str
+    weight_bytes: float
+    grad_bytes: float
+    compensations: tuple[str, ...]
+    plugin: str
+    description: str
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def precisions() -> list[PrecisionRow]:
+    """List the registered precision modes: dtypes, loss scaling, what they require of the optimizer,
+    and bytes per parameter for weights and gradients (what the planner reads).
+
+    Example:
+        >>> [(r.name, r.weight_bytes) for r in precisions()]  # doctest: +SKIP
+        [('bf16', 4.0), ('bf16-true', 2.0), ('fp16', 4.0), ('fp32', 4.0), ('tf32', 4.0)]
+    """
+    probe = torch.empty(1024, device="meta")
+    rows = []
+    for cls, origin in _registry().entries:
+        mem = cls.memory_per_param(cls.__new__(cls), probe)
+        rows.append(PrecisionRow(
+            cls.name, tuple(cls.aliases), str(cls.param_dtype or torch.float32).replace("torch.", ""),
+            str(cls.autocast_dtype).replace("torch.", "") if cls.autocast_dtype is not None else None,
+            bool(cls.uses_scaler), cls.optimizer_requirement, mem["weights"] / probe.numel(),
+            mem["grads"] / probe.numel(), tuple(cls.compensations), origin, cls.description))
+    return sorted(rows, key=lambda r: r.name)
+
+
+class _PrecisionClasses(dict):
+    """Read-only ``{canonical name: class}`` view of the registry, looked up afresh on every access.
+
+    Kept for code that indexed the old fixed dict (``PRECISIONS["fp16"].uses_scaler``); aliases
+    resolve too.
+    """
+
+    def __getitem__(self, name: str) -> type[Precision]:
+        try:
+            return get_precision_class(name)
+        except UnknownPrecisionError:
+            raise KeyError(name) from None
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            get_precision_class(name)
+        except UnknownPrecisionError:
+            return False
+        return True
+
+    def __iter__(self):
+        return iter(precision_names())
+
+    def __len__(self) -> int:
+        return len(precision_names())
+
+    def keys(self):
+        return precision_names()
+
+    def items(self):
+        return [(n, get_precision_class(n)) for n in precision_names()]
+
+    def values(self):
+        return [get_precision_class(n) for n in precision_names()]
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
+
+    def __repr__(self) -> str:
+        return f"PRECISIONS({precision_names()})"
+
+
+PRECISIONS = _PrecisionClasses()
+
+
+def __getattr__(name: str) -> Any:
+    # The former fixed modes, now plugin classes: ``from memwrap.precision import TF32`` keeps working.
+    if name in ("TF32", "BF16", "FP16"):
+        return get_precision_class(name.lower())
+    raise AttributeError(f"module 'memwrap.precision' has no attribute {name!r}")

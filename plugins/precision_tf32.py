@@ -1,0 +1,72 @@
+"""Built-in precision plugin: ``tf32``, fp32 storage with TF32 tensor-core matmuls (CUDA Ampere+).
+
+TF32 is a process-wide torch setting, not a context. Several models may be wrapped with it at
+once, so the setting is reference-counted: the first ``enable`` saves the user's value
+(``torch.get_float32_matmul_precision()``), the last ``restore`` puts it back, whatever order the
+models are unwrapped in.
+
+Example:
+    >>> torch.set_float32_matmul_precision("highest")
+    >>> a = memwrap.wrap(net_a, precision="tf32"); b = memwrap.wrap(net_b, precision="tf32")  # doctest: +SKIP
+    >>> memwrap.unwrap(a); memwrap.unwrap(b); torch.get_float32_matmul_precision()  # doctest: +SKIP
+    'highest'
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+
+from memwrap.plugins import hookimpl
+from memwrap.precision import Precision
+
+_lock = threading.Lock()
+_users = 0  # wrapped models currently holding TF32 on
+_saved: str | None = None  # the user's setting before the first of them
+
+
+class TF32(Precision):
+    """fp32 weights; matmuls in TF32 while at least one model wrapped with it is not unwrapped."""
+
+    name = "tf32"
+    aliases = ("tensorfloat32", "tf32-mixed")
+    description = "fp32 weights, CUDA matmuls in TF32 (torch.set_float32_matmul_precision('high'))."
+
+    def __init__(self, compensation: str | None = None):
+        super().__init__(compensation)
+        self._holding = False
+
+    def check(self, device_type: str) -> None:
+        if device_type != "cuda":
+            warnings.warn(
+                f"precision='tf32' only changes CUDA matmuls; on {device_type!r} it trains in plain fp32.",
+                stacklevel=4,
+            )
+
+    def enable(self) -> None:
+        global _users, _saved
+        with _lock:
+            if self._holding:
+                return
+            if _users == 0:
+                _saved = torch.get_float32_matmul_precision()
+            _users += 1
+            self._holding = True
+            torch.set_float32_matmul_precision("high")
+
+    def restore(self) -> None:
+        global _users, _saved
+        with _lock:
+            if not self._holding:
+                return
+            self._holding = False
+            _users -= 1
+            if _users == 0 and _saved is not None:
+                torch.set_float32_matmul_precision(_saved)
+                _saved = None
+
+
+@hookimpl
+def memwrap_precisions():
+    return [TF32]
