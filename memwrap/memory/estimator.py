@@ -36,6 +36,9 @@ from memwrap.memory.trace import Segment, Stack, TraceResult, find_stack, run_tr
 __all__ = ["Estimate", "estimate", "Trace", "trace_config", "derive", "resolve_model", "resolve_batch"]
 
 PHASES = ("forward", "backward", "optimizer")
+# FSDP2 prefetches the next block's all-gather in forward and backward, except at the ends of the stack:
+# its traces must hold interior blocks for the per-block memory to repeat (tests/test_sharded_plan.py).
+FSDP2_MIN_DEPTH = 3
 _TRACE_PREFIX = "WrappedModule.module."
 
 
@@ -158,7 +161,8 @@ def trace_config(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Calla
 
         with fake_process_group(world_size) as mesh:
             runner = functools.partial(run_fsdp2_trace, mesh=mesh)
-            trace = _trace_config(model, make_batch, loss_fn, options, optimizer, extrapolate, stack, runner)
+            trace = _trace_config(model, make_batch, loss_fn, options, optimizer, extrapolate, stack, runner,
+                                  min_depth=FSDP2_MIN_DEPTH)
         return dataclasses.replace(trace, world_size=world_size, strategy=strategy)
     trace = _trace_config(model, make_batch, loss_fn, options, optimizer, extrapolate, stack, run_trace)
     if strategy == "ddp":
@@ -171,14 +175,14 @@ def trace_config(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Calla
     return trace
 
 
-def _trace_config(model, make_batch, loss_fn, options, optimizer, extrapolate, stack, runner) -> Trace:
+def _trace_config(model, make_batch, loss_fn, options, optimizer, extrapolate, stack, runner, min_depth=1) -> Trace:
     start = time.perf_counter()
     if stack == "auto":
         stack = find_stack(model)
     factory = _optimizer_factory(optimizer)
     depths = None
     if extrapolate in (True, "auto") and stack is not None:
-        depths = extrapolation_depths(model, stack, options)
+        depths = extrapolation_depths(model, stack, options, min_depth)
     if depths is not None:
         a, b = depths
         try:

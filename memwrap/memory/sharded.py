@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import gc
 import itertools
 import time
 import warnings
@@ -252,7 +253,17 @@ def run_fsdp2_trace(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Ca
         tracker.track_inputs(tuple(t for b in batches for t in tree_flatten(b)[0] if isinstance(t, torch.Tensor)))
         with tracker:  # the tracker registers FSDP2's shards when entered: read the persistent state there
             state = _state(tracker)
-        drive_step(tracker, fmodel, wmodel, wopt, batches, loss_fn, stack)
+        # The cyclic garbage collector runs at moments that depend on the process's allocation history;
+        # a collection inside the traced step changed the optimizer-phase segment from run to run (by a
+        # full gradient's size, 16 MiB of a 60 MiB step). Paused, the same model always traces the same.
+        paused = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            drive_step(tracker, fmodel, wmodel, wopt, batches, loss_fn, stack)
+        finally:
+            if paused:
+                gc.enable()
     del batches, wmodel, wopt, inner, fmodel
     ops = (tracker.ops["forward"] + tracker.ops["backward"]) // n_mb
     return TraceResult(tracker.segments, state, tracker.flops // n_mb, ops, [], n_mb, depth,
