@@ -3,6 +3,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import memwrap
 
@@ -53,6 +55,40 @@ def test_a_caught_error_leaves_the_next_windows_clean_and_equal_to_a_run_without
     assert o.gate.micro_step == 0
 
 
+@settings(max_examples=8, deadline=None)
+@given(accumulate=st.integers(1, 3), windows=st.integers(2, 5), data_=st.data())
+def test_raise_and_continue_equals_a_run_without_the_bad_windows(accumulate, windows, data_):
+    bad = data_.draw(st.sets(st.integers(0, windows - 1), max_size=windows))
+    where = {w: data_.draw(st.integers(0, accumulate - 1)) for w in bad}  # which micro-batch holds the NaN
+    xs, ys = data(n=accumulate * windows, seed=windows)
+    model = mlp()
+    m, o = memwrap.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), accumulate=accumulate,
+                        on_nonfinite="raise")
+    raised = 0
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        w = i // accumulate
+        loss = torch.nn.functional.mse_loss(m(x), y) * (float("nan") if where.get(w) == i % accumulate else 1.0)
+        loss.backward()
+        try:
+            o.step()
+        except FloatingPointError:
+            raised += 1
+            continue
+        o.zero_grad()
+    ref = mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        if i // accumulate in bad:
+            continue
+        (torch.nn.functional.mse_loss(ref(x), y) / accumulate).backward()
+        if i % accumulate == accumulate - 1:
+            ref_opt.step()
+            ref_opt.zero_grad()
+    assert raised == o.skipped == len(bad) and o.updates == windows - len(bad)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_the_message_counts_the_window_that_failed():
     xs, ys = data(n=6)
     model = mlp()
@@ -73,10 +109,13 @@ def test_the_message_counts_the_window_that_failed():
     assert o.updates == 4 and o.skipped == 2
 
 
-def overflowing_run(on_nonfinite, steps=12, scale_loss=16.0, scaler=None):
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+def overflowing_run(on_nonfinite, steps=12, scale_loss=16.0, scaler=None, device="cpu"):
     """fp16 where the first windows overflow at the default scale 2**16 (the output gradient is 16 * scale)."""
-    xs, ys = data(n=steps)
-    model = mlp()
+    xs, ys = (t.to(device) for t in data(n=steps))
+    model = mlp().to(device)
     options = {} if scaler is None else {"scaler": scaler}
     m, o = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=1e-3), precision="fp16",
                         on_nonfinite=on_nonfinite, **options)
@@ -90,9 +129,10 @@ def overflowing_run(on_nonfinite, steps=12, scale_loss=16.0, scaler=None):
     return o, skipped_at, model
 
 
-def test_fp16_warm_up_overflows_do_not_raise_and_match_skip_mode():
-    o_raise, skipped_raise, model_raise = overflowing_run("raise")
-    o_skip, skipped_skip, model_skip = overflowing_run("skip")
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp16_warm_up_overflows_do_not_raise_and_match_skip_mode(device):
+    o_raise, skipped_raise, model_raise = overflowing_run("raise", device=device)
+    o_skip, skipped_skip, model_skip = overflowing_run("skip", device=device)
     assert len(skipped_raise) >= 3 and skipped_raise == skipped_skip  # the scaler absorbed them, as with "skip"
     assert o_raise.updates == o_skip.updates > 0
     for a, b in zip(model_raise.parameters(), model_skip.parameters()):
@@ -100,9 +140,10 @@ def test_fp16_warm_up_overflows_do_not_raise_and_match_skip_mode():
     assert o_raise.scaler.get_scale() == o_skip.scaler.get_scale() < 2.0**16
 
 
-def test_fp16_raises_once_the_scale_reached_its_floor_and_the_run_can_go_on():
-    xs, ys = data(n=8)
-    model = mlp()
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp16_raises_once_the_scale_reached_its_floor_and_the_run_can_go_on(device):
+    xs, ys = (t.to(device) for t in data(n=8))
+    model = mlp().to(device)
     m, o = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=1e-3), precision="fp16",
                         on_nonfinite="raise", scaler={"init_scale": 4.0})
     outcomes = []
