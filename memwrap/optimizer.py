@@ -270,14 +270,17 @@ class WrappedOptimizer(torch.optim.Optimizer):
         if scaler.is_enabled():
             scaler.unscale_(self.optimizer)
         finite = self._clip_and_check([p for g in self.param_groups for p in g["params"] if p.grad is not None])
-        if finite:
-            # Our norm check sees exactly what GradScaler's inf check saw after unscale_, so the inner
-            # step is called directly instead of through scaler.step (which would read the flag again).
-            self.optimizer.step()
         used_scale = None if finite else (scaler.get_scale() if scaler.is_enabled() else 1.0)
-        # Also before raising: update() backs off the scale and clears the per-window unscale_ record, without
-        # which the next window's unscale_ would fail. A no-op when the scaler is disabled.
-        scaler.update()
+        try:
+            if finite:
+                # Our norm check sees exactly what GradScaler's inf check saw after unscale_, so the inner
+                # step is called directly instead of through scaler.step (which would read the flag again).
+                self.optimizer.step()
+        finally:
+            # Also when the inner step raised, and before on_nonfinite raises: update() backs off or grows the
+            # scale and clears the per-window unscale_ record, without which every later unscale_ would fail.
+            # A no-op when the scaler is disabled.
+            scaler.update()
         return used_scale
 
     def _raise_nonfinite(self, used_scale: float) -> None:

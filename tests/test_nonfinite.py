@@ -202,3 +202,29 @@ def test_scaler_settings_with_the_hugging_face_fp16_flag():
     model = mlp()
     m, o = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=1e-3), fp16=True, scaler={"init_scale": 8.0})
     assert o.scaler.get_scale() == 8.0
+
+
+def test_an_error_inside_the_inner_step_leaves_the_scaler_usable():
+    # Anything raised by the inner optimizer (a step hook, a kernel, an out-of-memory) must not leave the GradScaler
+    # between unscale_() and update(): every later window's unscale_() would then fail.
+    xs, ys = data(n=3)
+    model = mlp()
+    m, o = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=1e-3), precision="fp16",
+                        scaler={"init_scale": 1024.0})  # no overflow: every window reaches the inner step
+    calls = []
+
+    def fail_once(optimizer, args, kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+
+    o.register_step_pre_hook(fail_once)
+    torch.nn.functional.mse_loss(m(xs[0]), ys[0]).backward()
+    with pytest.raises(RuntimeError, match="injected"):
+        o.step()
+    o.zero_grad()
+    for x, y in zip(xs[1:], ys[1:]):
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        o.step()
+        o.zero_grad()
+    assert o.updates == 2 and len(calls) == 3
