@@ -2,7 +2,13 @@
 
 A plugin is any module or object with functions decorated by :data:`memwrap.hookimpl` whose
 names match the hooks below. Plugins are found through the ``memwrap`` entry-point group
-(see ``docs/plugins.md``); built-in plugins use the same group.
+(see ``docs/plugins.md``); built-in plugins use the same group. A hook name that is not declared
+here (a typo) makes the plugin fail to load (see :func:`memwrap.plugins.plugin_errors`).
+
+memwrap calls every hook through :func:`memwrap.plugin_calls.call_hook`, one implementation at a
+time: an implementation that raises, or returns what its contract forbids, is recorded with its
+plugin, distribution and hook, reported once as a warning, and left out; the other plugins'
+results are used. A hook added here needs nothing more to be guarded.
 
 Example (a whole plugin module)::
 
@@ -77,5 +83,9 @@ def memwrap_checkpoint_policies() -> dict[str, object]:
 
     Called when a checkpoint policy is looked up by name (e.g. ``wrap(checkpoint="name")``).
     All results are collected (not ``firstresult``) and merged; a name defined by two plugins is
-    an error naming both. Like every memwrap hook it must not import heavy optional dependencies.
+    an error naming both when that name is used (every other name keeps working). A name of a
+    built-in form (``auto``, ``full``, ``selective``, ``offload``, ``every-<k>``) or a result that
+    is not a dict counts as this plugin's failure. Like every memwrap hook it must not import heavy
+    optional dependencies; an exception raised here is reported as a warning naming the plugin
+    and its distribution, and the other plugins' policies remain usable.
     """
