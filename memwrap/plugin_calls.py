@@ -56,6 +56,9 @@ def call_hook(name: str, *, validate: Callable[[Any], Any] | None = None, conseq
     caller = getattr(get_plugin_manager().hook, name, None)
     if caller is None:
         return []
+    missing = [arg for arg in (caller.spec.argnames if caller.spec is not None else ()) if arg not in kwargs]
+    if missing:  # memwrap's own mistake: it must not read as every plugin failing
+        raise TypeError(f"call_hook({name!r}) needs the hook's arguments {missing}")
     results = []
     for impl in caller.get_hookimpls():
         if impl.hookwrapper or impl.wrapper:

@@ -551,6 +551,8 @@ def test_guarding_covers_hooks_and_spec_fields_added_later(site):
     with pytest.warns(PluginLoadWarning, match=r"'bad_later'.*memwrap_later_hook.*later hook bug"):
         results = call_hook("memwrap_later_hook", size=3)
     assert [(r.plugin, r.result) for r in results] == [("good_later", 6)]
+    with pytest.raises(TypeError, match=r"needs the hook's arguments \['size'\]"):
+        call_hook("memwrap_later_hook")  # memwrap's own mistake is not blamed on the plugins
     spec = get_optimizer_spec("rich")
     assert isinstance(spec, RicherSpec)
     with pytest.warns(PluginLoadWarning), pytest.raises(plugins.PluginError, match=r"'good_later'.*rich.supports.*KeyError"):
