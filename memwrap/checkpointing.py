@@ -176,6 +176,14 @@ def is_checkpointed(module: nn.Module) -> bool:
     return _MOD_ATTR in module.__dict__
 
 
+def current_report(model: nn.Module) -> CheckpointReport | None:
+    """The report of the :func:`apply_checkpointing` call still active on ``model``, or None.
+
+    Example: ``current_report(model)`` after ``apply_checkpointing(model)`` equals its returned report.
+    """
+    return model.__dict__.get(_ROOT_ATTR)
+
+
 def resolve_policy(policy, every, mode, offload) -> tuple[object, int, str, bool]:
     """Resolve a plugin-named policy to its policy and options, exactly as apply_checkpointing does.
 

@@ -10,7 +10,7 @@ import numbers
 from collections.abc import Callable
 from typing import Any
 
-from memwrap.errors import closest_hint
+from memwrap.errors import closest_hint, require_name
 from memwrap.precision import get_precision_class
 
 __all__ = ["Options", "parse_options", "options_from", "HF_ALIASES"]
@@ -129,9 +129,8 @@ def _validate(values: dict[str, Any]) -> None:
         raise ValueError(
             f"count_items must be a callable(batch) -> int (e.g. lambda b: int((b['labels'] != -100).sum())), got {count!r}."
         )
-    optim = values.get("optim")
-    if optim is not None and not isinstance(optim, str):
-        raise ValueError(f"optim must be an optimizer name such as 'adamw_8bit', got {optim!r}.")
+    if values.get("optim") is not None:
+        require_name(values["optim"], "optim", "optim={0}", "adamw_8bit")
     mode = values.get("on_nonfinite", "skip")
     if mode not in ON_NONFINITE:
         raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {mode!r}.{closest_hint(mode, ON_NONFINITE)}")

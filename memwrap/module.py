@@ -53,6 +53,7 @@ class WrappedModule(nn.Module):
         object.__setattr__(self, "_sync_context", sync_context)
         object.__setattr__(self, "_hooks_bypassed", _Bypass())
         object.__setattr__(self, "checkpoint_report", None)
+        object.__setattr__(self, "_owns_checkpointing", False)  # whether unwrap() removes the checkpointing
         object.__setattr__(self, "_opaque_warned", False)
         object.__setattr__(self, "_grad_input_warned", False)
         object.__setattr__(self, "_loss_log", None)  # the optimizer's WindowLoss, set by wrap(): records outputs.loss
@@ -65,6 +66,8 @@ class WrappedModule(nn.Module):
         # dropout off) still needs its gradients weighted; an eval forward without backward never
         # fires the hooks, and no forward moves the window (only optimizer.step() does).
         training = torch.is_grad_enabled()
+        if torch.compiler.is_compiling() and self.checkpoint_report is not None and self.checkpoint_report.modules:
+            _refuse_compiled_checkpointing(self.checkpoint_report)
         if training and (self._gate.accumulate > 1 or self._scaler.is_enabled()):  # else nothing is weighted
             args, kwargs, stray = self._unweight_inputs(args, kwargs)
             if stray is not None:
@@ -255,6 +258,19 @@ class WrappedModule(nn.Module):
 
     def extra_repr(self) -> str:
         return f"precision={self._precision.name}, accumulate={self._gate.accumulate}"
+
+
+@torch.compiler.disable
+def _refuse_compiled_checkpointing(report: Any) -> None:
+    # Raised from an eager frame: an exception raised in code being traced would only make torch.compile
+    # fall back to eager for this frame (where is_compiling() is False), and then fail in backward.
+    raise RuntimeError(
+        f"torch.compile of a model wrapped with checkpointing ({len(report.modules)} checkpointed module(s), e.g. "
+        f"{report.modules[0]!r}): torch's non-reentrant checkpoint fails under torch.compile's AOTAutograd backends "
+        "(inductor, the default) in backward (CheckpointError: recomputed values have different metadata). Fix: "
+        "choose one: compile the wrapped model without checkpoint=, or checkpoint without compiling; see "
+        "docs/checkpointing.md."
+    )
 
 
 def _finish_output(t: torch.Tensor, hook: _GradScale | None) -> torch.Tensor:

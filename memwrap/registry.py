@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memwrap.errors import closest_hint
+from memwrap.errors import closest_hint, require_name
 from memwrap.plugin_calls import FieldRule, call_hook, guard_fields
 from memwrap.plugins import PluginContractError, PluginError, get_plugin_manager, plugin_errors
 
@@ -279,8 +279,9 @@ def get_optimizer_spec(name: str) -> OptimizerSpec:
         >>> get_optimizer_spec("adamw_bnb_8bit").name
         'adamw_8bit'
     """
+    require_name(name, "the optimizer name", "create_optimizer({0}, params) or wrap(..., optim={0})", "adamw")
     reg = _registry()
-    key = _normalize(name) if isinstance(name, str) else name
+    key = _normalize(name)
     if key in reg.conflicts:
         claims = "; ".join(f"{origin} (optimizer {spec.name!r})" for spec, origin in reg.conflicts[key])
         raise OptimizerConflictError(

@@ -182,7 +182,7 @@ def test_a_checkpoint_at_the_end_of_an_epoch_resumes_at_the_next_epoch():
     train(straight, 2)
     first, second = cell(), None
     state, _ = train(first, 1)
-    assert state["loader"] == {"position": 0}  # the epoch is complete
+    assert state["loader"]["position"] == 0  # the epoch is complete
     second = cell()
     second.load_state_dict(first.state_dict())
     _, updates = train(second, 1, state)

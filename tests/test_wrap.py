@@ -177,7 +177,7 @@ def test_error_accumulate_not_positive_int():
 
 
 def test_error_unknown_precision_suggests_closest():
-    with pytest.raises(ValueError, match=r"unknown precision 'bf61'; valid: fp32, tf32, bf16, fp16\. Did you mean 'bf16'\?"):
+    with pytest.raises(ValueError, match=r"unknown precision 'bf61'.*Did you mean 'bf16'\?.*fp32"):
         memwrap.wrap(net(), precision="bf61")
 
 
