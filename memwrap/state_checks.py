@@ -152,9 +152,11 @@ def check_scheduler_state(scheduler: Any, optimizer: torch.optim.Optimizer, stat
     def public(keys: Any) -> set[str]:
         return {k for k in keys if not str(k).startswith("_") and k not in _VOLATILE_SCHEDULER_KEYS}
 
+    # A recorded class that matches is trusted (torch releases add and drop attributes); a plain state has only
+    # its keys to tell which scheduler saved it.
     current = public(scheduler.state_dict())
     extra, missing = sorted(public(state) - current), sorted(current - public(state))
-    if extra or missing:
+    if saved_class is None and (extra or missing):
         raise ValueError(
             f"cannot load this scheduler state into a {type(scheduler).__name__}: the saved state has {extra} which it "
             f"does not keep, and lacks {missing}; it was saved from another kind of scheduler. Nothing was loaded. "
