@@ -47,7 +47,12 @@ class WindowLoss:
                 f"record_loss takes the micro-batch's scalar loss, got {what}. Fix: pass the loss you call "
                 "backward() on (reduce per-item losses with .mean() first)."
             )
-        self._open[self.gate.micro_step] = (float(self.gate.weight()), loss.detach().reshape(()))
+        step = self.gate.micro_step
+        if step == 0:
+            # A window starts: drop records of one that ended without closing (e.g. a window of zero items
+            # ended early by the loader), so they cannot leak into this one.
+            self._open = {}
+        self._open[step] = (float(self.gate.weight()), loss.detach().reshape(()))
 
     def record_outputs(self, outputs: Any) -> None:
         """Record ``outputs.loss`` / ``outputs["loss"]`` when the model returned a scalar loss."""

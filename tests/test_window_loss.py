@@ -168,3 +168,21 @@ def test_the_missing_backward_warning_points_at_the_users_line_too():
         o.step()  # twice for one batch
     (warning,) = [w for w in caught if "without a backward pass" in str(w.message)]
     assert warning.filename == __file__
+
+
+def test_records_of_a_window_that_never_closed_do_not_leak_into_the_next():
+    from memwrap.accumulation import AccumulationGate
+    from memwrap.window_loss import WindowLoss
+
+    gate = AccumulationGate(3)
+    log = WindowLoss(gate)
+    log.record(10.0)
+    gate.tick()
+    log.record(20.0)
+    gate.tick()
+    gate.micro_step = 0  # the loader ended this window (zero items) without an update, as end_epoch() does
+    gate.plan_window([1.0])  # the next window holds one micro-batch (an epoch's last, partial window)
+    log.record(5.0)
+    assert gate.tick()
+    log.close()
+    assert log.value == 5.0
