@@ -3,11 +3,11 @@
 Each concern lives in its own module; this one only decides which pieces a call needs and
 hands them the one shared :class:`~memwrap.accumulation.AccumulationGate`.
 
-A call runs in two phases. :func:`memwrap.wrap_checks.check_wrap` checks every option and every
-object and changes nothing. Then the pieces are built: first those that only make new objects
-(the converted optimizer, the wrappers), then the changes to the user's model and to torch's
-global settings, each registered with its undo, so that a call that still fails leaves nothing
-behind and a retry behaves like a first call.
+A call runs in three steps. :func:`memwrap.wrap_checks.check_wrap` checks every option and every
+object and changes nothing. Then the new objects are built (the converted optimizer, the
+wrappers), which changes nothing of the user's either. Last come the changes to the user's model
+and to torch's global settings (checkpointing, TF32, parameter dtype), undone if one of them
+fails, so that a refused call leaves nothing behind and a retry behaves like a first call.
 """
 from __future__ import annotations
 
@@ -52,29 +52,27 @@ def wrap(*objects: Any, **options: Any) -> Any:
     gate = AccumulationGate(plan.opts.accumulate)
     scaler = plan.precision.make_scaler(plan.device_type)
     configure_scaler(scaler, plan.opts.scaler)  # validated in parse_options; cannot fail here
-    inner = _optimizer_to_step(plan) if plan.optimizer is not None else None
 
+    # New objects only: nothing of the user's changes until _change_model() below.
     results: dict[int, Any] = {}
-    with contextlib.ExitStack() as undo:  # on an exception, undoes what was changed, newest first
-        if plan.model is not None:
-            results[id(plan.model)] = _wrap_model(plan, gate, scaler, undo)
-        wrapped_opt = None
-        if inner is not None:
-            # After the model: a precision that stores weights in another dtype builds its optimizer from them.
-            inner = plan.precision.convert_optimizer(inner, plan.model)
-            wrapped_opt = WrappedOptimizer(inner, gate, scaler, plan.opts.max_grad_norm, plan.opts.on_nonfinite,
-                                           _monitor(plan), model=plan.model)
-            results[id(plan.optimizer)] = wrapped_opt
-            if plan.model is not None:  # the model's forward records a loss it returns, for optimizer.window_loss
-                object.__setattr__(results[id(plan.model)], "_loss_log", wrapped_opt.loss_log)
-            if plan.model is not None:  # the model's forward records a loss it returns, for optimizer.window_loss
-                object.__setattr__(results[id(plan.model)], "_loss_log", wrapped_opt.loss_log)
-        for scheduler in plan.schedulers:
-            results[id(scheduler)] = WrappedScheduler(scheduler, wrapped_opt or scheduler.optimizer)
-        for loader in plan.loaders:
-            results[id(loader)] = _wrap_loader(loader, plan, gate)
-            results[id(loader)].optimizer = wrapped_opt  # loader.end_epoch() steps the open window through it
-        undo.pop_all()  # success: keep every change
+    wrapped_model = wrapped_opt = None
+    if plan.model is not None:
+        wrapped_model = WrappedModule(plan.model, gate, plan.precision, scaler, plan.device_type,
+                                      sync_control(plan.model))
+        results[id(plan.model)] = wrapped_model
+    if plan.optimizer is not None:
+        wrapped_opt = WrappedOptimizer(_optimizer_to_step(plan), gate, scaler, plan.opts.max_grad_norm,
+                                       plan.opts.on_nonfinite, _monitor(plan), model=plan.model)
+        results[id(plan.optimizer)] = wrapped_opt
+        if wrapped_model is not None:  # the model's forward records a loss it returns, for optimizer.window_loss
+            object.__setattr__(wrapped_model, "_loss_log", wrapped_opt.loss_log)
+    for scheduler in plan.schedulers:
+        results[id(scheduler)] = WrappedScheduler(scheduler, wrapped_opt or scheduler.optimizer)
+    for loader in plan.loaders:
+        results[id(loader)] = _wrap_loader(loader, plan, gate)
+        results[id(loader)].optimizer = wrapped_opt  # loader.end_epoch() steps the open window through it
+    if wrapped_model is not None:
+        _change_model(plan, wrapped_model)
     ordered = tuple(results[id(obj)] for obj in objects)
     return ordered[0] if len(ordered) == 1 else ordered
 
@@ -129,7 +127,8 @@ def backward(loss: torch.Tensor, model: WrappedModule, **kwargs: Any) -> None:
 # --- pieces ---------------------------------------------------------------------------
 
 def _optimizer_to_step(plan: WrapPlan) -> torch.optim.Optimizer:
-    """The optimizer to wrap: the user's, or a new one built from it for ``optim=``. Changes nothing of the user's."""
+    """The optimizer to wrap: the user's, or one built from it (``optim=``, a precision's compensated
+    equivalent). Builds new objects only; the user's optimizer is left as it is."""
     inner = plan.optimizer
     if plan.opts.optim is not None:
         from memwrap.registry import convert_optimizer
@@ -138,13 +137,10 @@ def _optimizer_to_step(plan: WrapPlan) -> torch.optim.Optimizer:
     from memwrap.distributed import check_sharded_optimizer
 
     check_sharded_optimizer(inner)  # e.g. 8-bit bitsandbytes on FSDP2 shards: fail now, with the fix, not at step 1
-    if plan.precision.check_optimizer(inner) and plan.schedulers:  # True: the precision will replace the optimizer
-        raise ValueError(
-            f"precision={plan.opts.precision!r} replaces {type(inner).__name__} with a compensated equivalent, but the "
-            "scheduler passed along still drives the old one. Fix: wrap the model and optimizer first, then build the "
-            "scheduler on the returned optimizer and wrap it: scheduler = memwrap.wrap(LambdaLR(optimizer, ...))."
-        )
-    return inner
+    plan.precision.check_optimizer(inner)
+    # Before convert_module(): building the optimizer does not depend on the parameters' dtype (state is made at
+    # the first step), and a failure here must find the model unchanged.
+    return plan.precision.convert_optimizer(inner, plan.model)
 
 
 def _monitor(plan: WrapPlan) -> Any:
@@ -155,24 +151,27 @@ def _monitor(plan: WrapPlan) -> Any:
     return MemoryMonitor(every=plan.opts.monitor)
 
 
-def _wrap_model(plan: WrapPlan, gate: AccumulationGate, scaler: Any, undo: contextlib.ExitStack) -> WrappedModule:
-    """Checkpoint the model and switch on the precision's settings, each change registered with its undo."""
+def _change_model(plan: WrapPlan, wrapped: WrappedModule) -> None:
+    """Checkpoint the model, switch on the precision's process-wide settings and convert its parameters.
+
+    The only changes ``wrap()`` makes to the user's objects, made last; if one fails, those before it are
+    undone (newest first). Converting the parameters' dtype comes last because it cannot be undone exactly.
+    """
     from memwrap.checkpointing import apply_checkpointing, current_report, remove_checkpointing
 
-    model, precision = plan.model, plan.precision
-    target = checkpoint_target(model)
-    if plan.checkpoint is not None:
-        undo.callback(remove_checkpointing, target)  # also undoes a partial application
-        apply_checkpointing(target, **plan.checkpoint)
-    undo.callback(precision.restore)
-    precision.enable()
-    precision.convert_module(model)
-    wrapped = WrappedModule(model, gate, precision, scaler, plan.device_type, sync_control(model))
+    target = checkpoint_target(plan.model)
+    with contextlib.ExitStack() as undo:
+        if plan.checkpoint is not None:
+            undo.callback(remove_checkpointing, target)  # also undoes a partial application
+            apply_checkpointing(target, **plan.checkpoint)
+        undo.callback(plan.precision.restore)
+        plan.precision.enable()
+        plan.precision.convert_module(plan.model)
+        undo.pop_all()  # all done: keep every change
     # Plain attributes (not part of state_dict). The report also shows checkpointing applied before wrap();
     # unwrap() removes only what this call applied.
     object.__setattr__(wrapped, "checkpoint_report", current_report(target))
     object.__setattr__(wrapped, "_owns_checkpointing", plan.checkpoint is not None)
-    return wrapped
 
 
 def _wrap_loader(loader: Any, plan: WrapPlan, gate: AccumulationGate) -> WrappedLoader:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import memwrap
+import memwrap.precision
 import memwrap.wrapper
 from memwrap.checkpointing import is_checkpointed
 
@@ -149,9 +150,12 @@ def test_a_refused_wrap_changes_nothing_and_a_retry_is_a_first_call(case, matmul
         assert_same(before, snapshot(model, opt))
 
 
-@pytest.mark.parametrize("failing", ["WrappedModule", "WrappedOptimizer"])
-def test_a_failure_after_the_model_was_changed_is_rolled_back(failing, matmul_highest, monkeypatch):
-    """What cannot be checked beforehand (a constructor failing, say) undoes checkpointing, TF32 and the KV cache."""
+@pytest.mark.parametrize("failing", ["WrappedModule", "WrappedOptimizer", "apply_checkpointing", "convert_module"])
+def test_a_failure_after_the_checks_is_rolled_back(failing, matmul_highest, monkeypatch):
+    """What cannot be checked beforehand (a constructor, checkpointing half applied, a precision's conversion)
+    leaves nothing behind either: checkpoint hooks, TF32 and the KV-cache flag are undone."""
+    import memwrap.checkpointing
+
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     before = snapshot(model, opt)
@@ -159,8 +163,17 @@ def test_a_failure_after_the_model_was_changed_is_rolled_back(failing, matmul_hi
     def boom(*args, **kwargs):
         raise RuntimeError("injected failure")
 
+    def half_applied(target, **how):
+        memwrap.checkpointing._checkpoint_module(target.blocks[0], "full", False)
+        boom()
+
     with monkeypatch.context() as patch:
-        patch.setattr(memwrap.wrapper, failing, boom)
+        if failing == "apply_checkpointing":
+            patch.setattr(memwrap.checkpointing, failing, half_applied)
+        elif failing == "convert_module":
+            patch.setattr(type(memwrap.precision.get_precision("tf32")), failing, boom)
+        else:
+            patch.setattr(memwrap.wrapper, failing, boom)
         with pytest.raises(RuntimeError, match="injected failure"):
             memwrap.wrap(model, opt, accumulate=2, **CHANGING)
     assert_same(before, snapshot(model, opt))
