@@ -35,6 +35,7 @@ _EXPORTS = {
     "MemoryMonitor": "memwrap.memory",
     "measure_peak": "memwrap.memory",
     "parse_budget": "memwrap.memory",
+    "save_checkpoint": "memwrap.checkpoint_io", "load_checkpoint": "memwrap.checkpoint_io",
 }
 
 __all__ = sorted(_EXPORTS)

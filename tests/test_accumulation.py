@@ -248,3 +248,220 @@ def test_loader_resume_skips_consumed_batches():
     resumed = WrappedLoader(list(range(6)), AccumulationGate(2))
     resumed.load_state_dict(state)
     assert list(resumed) == [3, 4, 5]
+
+
+# --- a pass over the wrapped loader inside the training pass (issue 11, item 5) ---------------------------------
+
+def _train_with_evaluation(loader_kind, where, count_items, eval_over_wrapped, eval_batches, epochs=2, n=8, accumulate=3):
+    """Evaluation every 2 batches over the training data, through the wrapped loader or an unwrapped copy."""
+    batches = padded_batches(11, n)
+    torch.manual_seed(0)
+    model = TinyLM().double()
+    data = _Reiterable(batches) if loader_kind == "no-len" else list(batches)
+    m, o, ld = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), data,
+                            accumulate=accumulate, count_items=count_items)
+    evaluation = ld if eval_over_wrapped else list(batches)
+
+    def evaluate():
+        with torch.no_grad():
+            for j, batch in enumerate(evaluation):
+                m(batch["tokens"])
+                if j + 1 == eval_batches:  # a partial evaluation pass, left by break
+                    break
+
+    for _ in range(epochs):
+        for i, batch in enumerate(ld):
+            if where == "before-forward" and i % 2 == 0:
+                evaluate()
+            token_mean_loss(m(batch["tokens"]), batch["labels"]).backward()
+            o.step()
+            if where == "after-step" and i % 2 == 0:
+                evaluate()
+            o.zero_grad()
+    return model, o
+
+
+@pytest.mark.parametrize("loader_kind", ["len", "no-len"])
+@pytest.mark.parametrize("where", ["before-forward", "after-step"])
+@pytest.mark.parametrize("items", [False, True])
+@pytest.mark.parametrize("eval_batches", [3, None])
+def test_evaluation_pass_over_the_wrapped_loader_leaves_training_unchanged(loader_kind, where, items, eval_batches):
+    count_items = (lambda b: int((b["labels"] != -100).sum())) if items else None
+    got, got_opt = _train_with_evaluation(loader_kind, where, count_items, True, eval_batches)
+    want, want_opt = _train_with_evaluation(loader_kind, where, count_items, False, eval_batches)
+    assert got_opt.updates == want_opt.updates == 2 * 3
+    assert got_opt.gate.micro_step == 0
+    for a, b in zip(got.parameters(), want.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_second_open_pass_that_is_trained_on_is_refused():
+    model = torch.nn.Linear(2, 1)
+    m, o, ld = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), [torch.ones(1, 2)] * 4, accumulate=2)
+    stale = iter(ld)
+    next(stale)  # an earlier pass left open: it owns the window plan
+    with pytest.raises(RuntimeError, match="still open"):
+        for x in ld:
+            m(x).sum().backward()
+            o.step()
+            o.zero_grad()
+    stale.close()
+    for x in ld:  # once it is closed, a pass trains normally
+        m(x).sum().backward()
+        o.step()
+        o.zero_grad()
+    assert o.gate.micro_step == 0
+
+
+# --- count_items values and wrong len() (issue 11, item 8) ----------------------------------------------------
+
+@pytest.mark.parametrize("bad", [1.5, -1, None, True, "3", torch.tensor(2.5), torch.tensor([1, 2]), float("nan")])
+def test_count_items_refuses_values_that_are_not_whole_counts(bad):
+    batches = padded_batches(2, 4)
+    model = TinyLM()
+    before = [p.detach().clone() for p in model.parameters()]
+    m, o, ld = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.5), batches, accumulate=2,
+                            count_items=lambda b: bad if b is batches[3] else 2)
+    with pytest.raises(ValueError, match=r"for batch 3 of this epoch") as info:
+        for batch in ld:
+            token_mean_loss(m(batch["tokens"]), batch["labels"]).backward()
+            o.step()
+            o.zero_grad()
+    assert repr(bad if not isinstance(bad, torch.Tensor) or bad.dim() else bad.item()) in str(info.value)
+    assert o.updates == 1  # the first window (batches 0, 1) only; nothing of the refused window was applied
+    assert not torch.equal(before[0], model.emb.weight)
+
+
+def test_count_items_accepts_integral_floats_tensors_and_numpy_ints():
+    np = pytest.importorskip("numpy")
+    batches = padded_batches(3, 5)
+    exact = lambda b: int((b["labels"] != -100).sum())  # noqa: E731
+    forms = [lambda b: float(exact(b)), lambda b: (b["labels"] != -100).sum(), lambda b: np.int64(exact(b)),
+             lambda b: torch.tensor(float(exact(b)))]
+    results = []
+    for count_items in [exact, *forms]:
+        torch.manual_seed(0)
+        model = TinyLM().double()
+        m, o, ld = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.5), batches, accumulate=2,
+                                count_items=count_items)
+        for batch in ld:
+            token_mean_loss(m(batch["tokens"]), batch["labels"]).backward()
+            o.step()
+            o.zero_grad()
+        results.append([p.detach() for p in model.parameters()])
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+class _WrongLen(list):
+    def __init__(self, items, length):
+        super().__init__(items)
+        self.length = length
+
+    def __len__(self):
+        return self.length
+
+    def __iter__(self):
+        return iter(self[:])  # list slicing ignores the false __len__
+
+    def __getitem__(self, index):
+        return list.__getitem__(self, index)
+
+
+@pytest.mark.parametrize("said,windows", [
+    # len() too small: the window at len()'s end was planned short; the rest by looking ahead; next epoch all by look-ahead
+    (8, [[(0, 3), (3, 6), (6, 8), (8, 10)], [(0, 3), (3, 6), (6, 9), (9, 10)]]),
+    # len() too large: the last window is stepped by its true size when the loader runs dry
+    (12, [[(0, 3), (3, 6), (6, 9), (9, 10)], [(0, 3), (3, 6), (6, 9), (9, 10)]]),
+    (13, [[(0, 3), (3, 6), (6, 9), (9, 10)], [(0, 3), (3, 6), (6, 9), (9, 10)]]),
+])
+def test_a_wrong_len_loses_no_batch_and_no_gradient(said, windows):
+    gen = torch.Generator().manual_seed(said)
+    xs = [torch.randn(2, 5, generator=gen, dtype=torch.float64) for _ in range(10)]
+    ys = [torch.randn(2, 3, generator=gen, dtype=torch.float64) for _ in range(10)]
+    model = make_model(4, 6, 1)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for epoch_windows in windows:
+        reference(ref, xs, ys, epoch_windows, lr=0.05, opt=ref_opt)
+    m, o, ld = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                            _WrongLen(list(zip(xs, ys)), said), accumulate=3)
+    with pytest.warns(UserWarning, match="len"):
+        for _ in range(2):
+            for x, y in ld:
+                torch.nn.functional.mse_loss(m(x), y).backward()
+                o.step()
+                o.zero_grad()
+    assert o.updates == 8 and o.gate.micro_step == 0
+    assert all(p.grad is None for p in model.parameters())
+    assert max_rel_err(model.parameters(), ref.parameters()) <= 1e-12
+
+
+# --- loop control: sync_gradients, end_of_dataloader, end_epoch() (issue 11, item 13) ---------------------------
+
+@pytest.mark.parametrize("kind", ["len", "no-len", "count_items"])
+def test_sync_gradients_and_end_of_dataloader_flags(kind):
+    data = [torch.ones(1, 2)] * 7
+    model = torch.nn.Linear(2, 1)
+    m, o, ld = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            _Reiterable(data) if kind == "no-len" else data, accumulate=3,
+                            count_items=(lambda b: 1) if kind == "count_items" else None)
+    seen = []
+    for _ in range(2):
+        for x in ld:
+            before = (ld.sync_gradients, o.sync_gradients, ld.end_of_dataloader)
+            m(x).sum().backward()
+            o.step()
+            seen.append((*before, o.sync_gradients, o.did_update))
+            o.zero_grad()
+        assert ld.end_of_dataloader
+    expected = [(i in (2, 5, 6),) * 2 + (i == 6,) + (i in (2, 5, 6),) * 2 for i in range(7)] * 2
+    assert seen == expected
+
+
+@pytest.mark.parametrize("items", [False, True])
+def test_end_epoch_after_break_steps_the_partial_window_like_the_big_batch(items):
+    batches, limit, accumulate = padded_batches(21, 10), 6, 4
+    model = TinyLM().double()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    for _ in range(2):
+        for start, stop in windows_of(limit, accumulate):  # each epoch: windows of batches [0, 4) and [4, 6)
+            window = batches[start:stop]
+            if items:
+                logits = torch.cat([ref(b["tokens"]).flatten(0, 1) for b in window])
+                labels = torch.cat([b["labels"].flatten() for b in window])
+                torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100).backward()
+            else:
+                sum(token_mean_loss(ref(b["tokens"]), b["labels"]) for b in window).div(len(window)).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+
+    m, o, ld = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), batches,
+                            accumulate=accumulate, count_items=(lambda b: int((b["labels"] != -100).sum())) if items else None)
+    for _ in range(2):
+        for i, batch in enumerate(ld):
+            if i == limit:  # as Lightning's limit_train_batches
+                break
+            token_mean_loss(m(batch["tokens"]), batch["labels"]).backward()
+            o.step()
+            o.zero_grad()
+        assert ld.end_epoch() is True
+        assert ld.position == 0 and o.gate.micro_step == 0 and all(p.grad is None for p in model.parameters())
+    assert o.updates == 4
+    assert max_rel_err(model.parameters(), ref.parameters()) <= 1e-12
+    assert ld.end_epoch() is False  # nothing open: nothing to step
+
+
+def test_end_epoch_inside_the_loop_ends_the_pass():
+    model = torch.nn.Linear(2, 1)
+    m, o, ld = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), [torch.ones(1, 2)] * 9, accumulate=4)
+    seen = 0
+    for x in ld:
+        m(x).sum().backward()
+        o.step()
+        o.zero_grad()
+        seen += 1
+        if seen == 5:
+            assert ld.end_epoch()  # the window of batch 4 alone is stepped; the loop ends at its next request
+    assert seen == 5 and o.updates == 2 and ld.position == 0
