@@ -295,6 +295,44 @@ SCENARIOS = {
 }
 
 
+# --- per-rank memory (tests/test_sharded_plan.py): predicted vs measured peaks ---------------------
+
+MEMORY_MODEL = dict(n_layer=4, n_embd=128, n_head=4)  # gpt2-tiny, narrower
+MEMORY_BATCH, MEMORY_SEQ = 2, 64
+MEMORY_CASES = {"plain": {}, "full_accumulate": {"checkpoint": "full", "accumulate": 2}}
+
+
+def memory_model():
+    from memwrap.models import build_preset
+
+    torch.manual_seed(0)
+    return build_preset("gpt2-tiny", **MEMORY_MODEL)
+
+
+def memory_batch(rank: int):
+    from memwrap.models import preset_batch
+
+    g = torch.Generator().manual_seed(rank)
+    return preset_batch("gpt2-tiny", MEMORY_BATCH, MEMORY_SEQ, generator=g)
+
+
+def run_memory(rank: int) -> dict:
+    """This rank's allocator-measured peak of one steady-state update, per strategy and case."""
+    from memwrap.memory.sharded_measure import measure_rank_peak
+    from memwrap.models import lm_loss
+
+    out = {}
+    for strategy in ("ddp", "fsdp2"):
+        for case, options in MEMORY_CASES.items():
+            r = measure_rank_peak(memory_model, lambda: memory_batch(rank), strategy=strategy, loss_fn=lm_loss,
+                                  **options)
+            out[f"{strategy}/{case}"] = {"peak": r["peak"], "baseline": r["baseline"]}
+    return out
+
+
+ON_REQUEST = {"memory": run_memory}  # run only when named on the command line
+
+
 def main() -> None:
     import torch.distributed as dist
 
@@ -306,7 +344,7 @@ def main() -> None:
     try:
         for name in names:
             try:
-                results[name] = SCENARIOS[name](rank)
+                results[name] = {**SCENARIOS, **ON_REQUEST}[name](rank)
             except Exception as err:  # reported per scenario, so one failure does not hide the others
                 import traceback
 

@@ -73,20 +73,20 @@ def _period(blocks: tuple) -> int:
 
 
 def extrapolation_depths(model: nn.Module, stack: Stack, options: dict[str, Any],
-                         min_depth: int = 1) -> tuple[int, int] | None:
+                         min_depth: int = 1, min_periods: int = 1) -> tuple[int, int] | None:
     """Depths ``(a, b)`` whose traces extrapolate exactly to the full stack, or None (trace it whole).
 
     ``b - a`` is the period ``p`` of the checkpointed pattern along the stack; ``a >= 2`` when
     checkpointing (``checkpoint="auto"`` needs two blocks to recognise a stack) and
-    ``(L - a) % p == 0``; ``b < L``; ``a >= min_depth`` (FSDP2 needs blocks away from both ends of the
-    stack, where its prefetching differs). The selection on the cut models must equal the full pattern cut.
+    ``(L - a) % p == 0``; ``b < L``; ``a >= min_depth`` and ``a >= min_periods * p`` (FSDP2 needs
+    blocks away from both ends of the stack, where its prefetching differs). The selection on the cut models must equal the full pattern cut.
     """
     L = stack.length
     checkpointing = _selection(options) is not None
     try:
         outside, full = checkpoint_layout(model, stack, options)
         period = _period(full)
-        base = max(2 if checkpointing else 1, period, min_depth)
+        base = max(2 if checkpointing else 1, period * min_periods, min_depth)
         a = base + (L - base) % period
         b = a + period
         if b >= L:

@@ -37,7 +37,8 @@ __all__ = ["Estimate", "estimate", "Trace", "trace_config", "derive", "resolve_m
 
 PHASES = ("forward", "backward", "optimizer")
 # FSDP2 prefetches the next block's all-gather in forward and backward, except at the ends of the stack:
-# its traces must hold interior blocks for the per-block memory to repeat (tests/test_sharded_plan.py).
+# its traces must hold interior blocks (>= 3, and >= 2 periods of the checkpoint pattern) for the
+# per-block memory to repeat; measured exact against full traces in tests/test_sharded_plan.py.
 FSDP2_MIN_DEPTH = 3
 _TRACE_PREFIX = "WrappedModule.module."
 
@@ -91,6 +92,7 @@ class Trace:
     seconds: float
     world_size: int = 1
     strategy: str | None = None
+    stack: str | None = None  # the repeated block stack (FSDP2 shards each of its blocks)
 
 
 def _optimizer_factory(name: str | None):
@@ -162,7 +164,7 @@ def trace_config(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Calla
         with fake_process_group(world_size) as mesh:
             runner = functools.partial(run_fsdp2_trace, mesh=mesh)
             trace = _trace_config(model, make_batch, loss_fn, options, optimizer, extrapolate, stack, runner,
-                                  min_depth=FSDP2_MIN_DEPTH)
+                                  min_depth=FSDP2_MIN_DEPTH, min_periods=2)
         return dataclasses.replace(trace, world_size=world_size, strategy=strategy)
     trace = _trace_config(model, make_batch, loss_fn, options, optimizer, extrapolate, stack, run_trace)
     if strategy == "ddp":
@@ -175,14 +177,15 @@ def trace_config(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Calla
     return trace
 
 
-def _trace_config(model, make_batch, loss_fn, options, optimizer, extrapolate, stack, runner, min_depth=1) -> Trace:
+def _trace_config(model, make_batch, loss_fn, options, optimizer, extrapolate, stack, runner, min_depth=1,
+                  min_periods=1) -> Trace:
     start = time.perf_counter()
     if stack == "auto":
         stack = find_stack(model)
     factory = _optimizer_factory(optimizer)
     depths = None
     if extrapolate in (True, "auto") and stack is not None:
-        depths = extrapolation_depths(model, stack, options, min_depth)
+        depths = extrapolation_depths(model, stack, options, min_depth, min_periods)
     if depths is not None:
         a, b = depths
         try:
@@ -196,11 +199,11 @@ def _trace_config(model, make_batch, loss_fn, options, optimizer, extrapolate, s
             top = _collapse(tb.top_modules, stack)
             method = f"extrapolated from traces with {a} and {b} of {n} blocks ({stack.name})"
             return Trace(segments, state, flops, ops, top, tb.micro_batches, optimizer, method,
-                         time.perf_counter() - start)
+                         time.perf_counter() - start, stack=stack.name)
     tr = runner(model, make_batch, loss_fn, options, factory, stack=stack)
     segments = {k_: dataclasses.replace(s, where=_rename(s.where, None, None, None)) for k_, s in tr.segments.items()}
     return Trace(segments, tr.state_bytes, tr.flops, tr.ops, _collapse(tr.top_modules, stack), tr.micro_batches,
-                 optimizer, "full trace", time.perf_counter() - start)
+                 optimizer, "full trace", time.perf_counter() - start, stack=stack.name if stack else None)
 
 
 def _shift(seg: Segment, delta: int) -> Segment:
@@ -280,6 +283,7 @@ class Estimate:
     seconds: float
     world_size: int = 1
     strategy: str | None = None
+    stack: str | None = None
 
     @property
     def dominant(self) -> str:
@@ -328,7 +332,7 @@ def finish(trace: Trace, options: dict[str, Any], optimizer: str) -> Estimate:
                     flops_per_micro_batch=trace.flops, ops_per_micro_batch=trace.ops,
                     offloaded=max((s.host for s in trace.segments.values()), default=0),
                     method=trace.method, seconds=trace.seconds, world_size=trace.world_size,
-                    strategy=trace.strategy)
+                    strategy=trace.strategy, stack=trace.stack)
 
 
 def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn: Callable | None = None,

@@ -201,7 +201,11 @@ def sharding_refusal(optimizer: str, mesh) -> str | None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            check_sharded_optimizer(create_optimizer(optimizer, probe.parameters(), model=probe))
+            built = create_optimizer(optimizer, probe.parameters(), model=probe)
+        except Exception:  # noqa: BLE001 - a plugin that cannot build here fails (and is reported) where it is traced
+            return None
+        try:
+            check_sharded_optimizer(built)
         except ValueError as exc:
             return str(exc)
     return None
@@ -242,11 +246,16 @@ def run_fsdp2_trace(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Ca
         fmodel.to_empty(device=dev)
         inner = optimizer(fmodel) if optimizer is not None else torch.optim.SGD(fmodel.parameters(), lr=0.0)
         params = [p for p in fmodel.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = torch.zeros_like(p)
         if optimizer is not None:  # steady state: the optimizer's state exists before the step
-            for p in params:
-                p.grad = torch.zeros_like(p)
             inner.step()
-            inner.zero_grad(set_to_none=True)
+        # DTensor computes an op's output sharding once per shape and caches it; on a miss it runs the op on
+        # global-shape tensors under the active fake mode, which the tracker would count as memory (a whole
+        # unsharded gradient in the clipping norm, on the first trace of a process only). Warm the cache
+        # with the norm and clipping the wrapped optimizer runs; the step itself was warmed just above.
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        inner.zero_grad(set_to_none=True)
         wmodel, wopt = memwrap.wrap(fmodel, inner, **wrap_opts)
         tracker = _tracker_class()(fmodel, inner, dev)
         batches = [_to_fake(make_batch(), mode, dev) for _ in range(n_mb)]
@@ -276,8 +285,9 @@ def ddp_bucket_bytes(model: nn.Module, bucket_cap_mb: float = 25.0) -> tuple[int
     """``(total, buckets)``: bytes of DDP's flat gradient buckets on each rank, and how many there are.
 
     The assignment is torch's own (``dist._compute_bucket_assignment_by_size`` with DDP's default
-    first bucket of 1 MiB and ``bucket_cap_mb``), over the trainable parameters in reverse order as
-    DDP passes them; each bucket is one flat tensor of its parameters' elements.
+    first bucket of 1 MiB and ``bucket_cap_mb``), as DDP rebuilds its buckets after the first
+    iteration (it starts with a single bucket of the same total); each bucket is one flat tensor of
+    its parameters' elements, so the total is the trainable parameters' gradient bytes.
 
     Example:
         >>> ddp_bucket_bytes(nn.Linear(1024, 1024))

@@ -1,0 +1,158 @@
+"""Sharding as a plan dimension: which world sizes and strategies fit a per-GPU budget.
+
+``memwrap.plan(..., world_size=[4, 8], strategy=["fsdp2", "ddp"])`` plans every layout (one
+``plan()`` per world size and strategy, traces shared within each), merges the candidates and
+reports per layout whether anything fits ("fits on 4 GPUs with FSDP2, not with DDP"). The global
+batch is fixed: ``micro-batch x accumulate x world_size``. Optimizers memwrap refuses on FSDP2
+shards (bitsandbytes 8-bit, Adafactor; :func:`memwrap.distributed.check_sharded_optimizer`) are
+skipped under FSDP2 with that reason, never planned.
+
+Example:
+    >>> layouts(4, None, 8)
+    [(4, 'fsdp2'), (4, 'ddp')]
+    >>> layouts(1, None, 8)
+    [(1, None)]
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+__all__ = ["layouts", "plan_layouts", "layout_summary", "sharding_verdict", "sharded_code", "refused_specs"]
+
+
+def _as_list(value: Any) -> list:
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return list(value)
+    return [value]
+
+
+def layouts(world_size: Any, strategy: Any, global_batch: int,
+            micro_batches: Iterable[int] | None = None) -> list[tuple[int, str | None]]:
+    """The ``(world_size, strategy)`` pairs to plan, validated; ``strategy=None`` with several ranks means both.
+
+    Raises ``ValueError`` naming the fix for a world size < 1, an unknown strategy, a strategy this
+    torch cannot run, or a global batch that ``world_size`` (times a given micro-batch) does not divide.
+    """
+    from memwrap.memory.sharded import STRATEGIES, check_sharding
+
+    sizes = _as_list(world_size)
+    strategies = _as_list(strategy)
+    out: list[tuple[int, str | None]] = []
+    for w in sizes:
+        for s in strategies:
+            if s is None and isinstance(w, int) and not isinstance(w, bool) and w > 1:
+                out += [check_sharding(w, name) for name in ("fsdp2", "ddp") if name in STRATEGIES]
+            else:
+                out.append(check_sharding(w, s))
+    out = list(dict.fromkeys(out))
+    if not out:
+        raise ValueError("no world size or strategy to plan: give world_size >= 1 and strategy 'fsdp2', 'ddp' or None.")
+    for w, _ in out:
+        if global_batch % w:
+            ok = sorted({global_batch - global_batch % w, global_batch + w - global_batch % w} - {0})
+            raise ValueError(f"global batch {global_batch} is not divisible by world_size {w}: every rank needs the same "
+                             f"number of samples (micro-batch x accumulate x world_size = global batch). Fix: a global "
+                             f"batch that is a multiple of {w} (e.g. {' or '.join(map(str, ok))}), or another world size.")
+        for m in micro_batches or ():
+            if (global_batch // w) % int(m):
+                raise ValueError(f"global batch {global_batch} is not divisible by world_size {w} x micro-batch {m} = "
+                                 f"{w * int(m)}. Fix: micro-batches dividing {global_batch // w} (the samples per rank), "
+                                 f"or a global batch that is a multiple of {w * int(m)}.")
+    return out
+
+
+def plan_layouts(plan_fn: Callable, shardings: list[tuple[int, str | None]], model: Any, make_batch: Callable,
+                 **kwargs: Any):
+    """One plan per layout, merged: candidates that fit first, fewest GPUs first, then as ``rank`` orders them."""
+    from memwrap.memory.planner import Plan, rank
+
+    plans = []
+    for w, s in shardings:
+        try:
+            plans.append(plan_fn(model, make_batch, world_size=w, strategy=s, **kwargs))
+        except ValueError as exc:
+            if "no candidate could be traced" not in str(exc):
+                raise
+            plans.append(None)  # every candidate refused under this layout (e.g. only 8-bit optimizers on FSDP2)
+    real = [p for p in plans if p is not None]
+    if not real:
+        raise ValueError("no candidate could be traced under any world size and strategy.")
+    first = real[0]
+    cands = [c for p in real for c in p.candidates]
+    ranked = rank(cands, first.budget, first.margin, keep_optim=first.keep_optim)
+    order = {id(c): i for i, c in enumerate(ranked)}
+    ranked.sort(key=lambda c: (not c.fits, c.estimate.world_size if c.fits else 0, order[id(c)]))
+    skipped = [x for p in real for x in p.skipped]
+    return Plan(ranked, first.budget, first.global_batch, first.margin, sum(p.seconds for p in real), skipped,
+                first.keep_optim)
+
+
+def layout_summary(plan: Any) -> list[dict[str, Any]]:
+    """Per ``(world_size, strategy)`` among the plan's candidates: whether one fits, the best or smallest one."""
+    groups: dict[tuple, list] = {}
+    for c in plan.candidates:
+        groups.setdefault((c.estimate.world_size, c.estimate.strategy), []).append(c)
+    rows = []
+    for (w, s), cands in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        fitting = [c for c in cands if c.fits]
+        pick = fitting[0] if fitting else min(cands, key=lambda c: c.required)
+        rows.append({"world_size": w, "strategy": s, "fits": bool(fitting), "candidate": pick.label,
+                     "peak": pick.estimate.peak, "required": pick.required})
+    return rows
+
+
+def _layout_name(w: int, s: str | None) -> str:
+    if s is None:
+        return "1 GPU"
+    return f"{w} GPU{'s' if w > 1 else ''} with {'FSDP2' if s == 'fsdp2' else 'DDP'}"
+
+
+def sharding_verdict(plan: Any) -> str:
+    """One line per plan over several layouts, e.g. ``fits on 4 GPUs with FSDP2; not on 4 GPUs with DDP (...)``.
+    Empty for a single-process plan."""
+    rows = layout_summary(plan)
+    if len(rows) == 1 and rows[0]["strategy"] is None:
+        return ""
+    fits = [r for r in rows if r["fits"]]
+    misses = [r for r in rows if not r["fits"]]
+    parts = []
+    if fits:
+        parts.append("fits on " + ", ".join(_layout_name(r["world_size"], r["strategy"]) for r in fits))
+    if misses:
+        parts.append("not on " + ", ".join(
+            f"{_layout_name(r['world_size'], r['strategy'])} (needs {plan.fmt(r['required'])} per GPU)"
+            for r in misses))
+    return f"per-GPU budget {plan.fmt(plan.budget)}: " + "; ".join(parts) + "."
+
+
+def sharded_code(c: Any, global_batch: int, model: str = "model", optimizer: str = "optimizer") -> str:
+    """The lines to paste for a sharded candidate: the launcher, ``fully_shard`` (FSDP2) or DDP, then ``wrap``."""
+    est = c.estimate
+    w, s = est.world_size, est.strategy
+    opts = ", ".join(f"{k}={v!r}" for k, v in c.options.items())
+    launch = (f"# torchrun --nproc-per-node {w} train.py   (global batch {global_batch} = micro-batch {c.micro_batch} x "
+              f"accumulate {c.accumulate} x {w} ranks; a complete script: examples/fsdp2_torchrun.py)")
+    if s == "fsdp2":
+        blocks = (f"for block in {model}.{est.stack}:  # one FSDP unit per block, then the root\n    fully_shard(block)\n"
+                  if est.stack else "")
+        shard = f"from torch.distributed.fsdp import fully_shard\n{blocks}fully_shard({model})\n"
+    else:
+        shard = (f"{model} = torch.nn.parallel.DistributedDataParallel({model}.to(device), device_ids=[local_rank])\n")
+    return (f"{launch}\n{shard}{optimizer} = torch.optim.AdamW({model}.parameters())  # built on the "
+            f"{'sharded' if s == 'fsdp2' else 'DDP'} parameters\nimport memwrap\n"
+            f"{model}, {optimizer} = memwrap.wrap({model}, {optimizer}, {opts})")
+
+
+def refused_specs(specs: list[dict], world_size: int, strategy: str | None) -> tuple[list[dict], list[tuple[str, str]]]:
+    """Split ``specs`` into those FSDP2 can run and ``(label, why)`` for the optimizers it refuses."""
+    if strategy != "fsdp2":
+        return specs, []
+    from memwrap.memory.sharded import fsdp2_refusals
+
+    refused = fsdp2_refusals([s["optim"] for s in specs], world_size)
+    keep = [s for s in specs if s["optim"] not in refused]
+    skipped = [(f"fsdp2x{world_size} {s['micro_batch']} {s['precision']} {s['checkpoint'] or 'no-ckpt'} {s['optim']}",
+                f"refused under FSDP2: {refused[s['optim']]}") for s in specs if s["optim"] in refused]
+    return keep, skipped
+
