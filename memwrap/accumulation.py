@@ -420,6 +420,8 @@ class WrappedLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Epoch position, and the random states to replay this epoch's order (``pass_rng``) on resume."""
+        if self._resume is not None:  # loaded but not iterated yet: the loaded state is still the truth
+            return dict(self._resume)
         return {"position": self._position, "pass_rng": self._pass_rng if self._position else None,
                 "generators": [g.get_state() for g in loader_generators(self.loader)]}
 

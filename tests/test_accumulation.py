@@ -465,3 +465,20 @@ def test_end_epoch_inside_the_loop_ends_the_pass():
         if seen == 5:
             assert ld.end_epoch()  # the window of batch 4 alone is stepped; the loop ends at its next request
     assert seen == 5 and o.updates == 2 and ld.position == 0
+
+
+def test_loader_state_saved_again_before_iterating_keeps_the_replay_states():
+    data = torch.utils.data.DataLoader(list(range(12)), batch_size=2, shuffle=True)
+    first = WrappedLoader(data, AccumulationGate(2))
+    it = iter(first)
+    consumed = [next(it), next(it)]
+    state = first.state_dict()
+    it.close()
+    second = WrappedLoader(data, AccumulationGate(2))
+    second.load_state_dict(state)
+    again = second.state_dict()  # a checkpoint written right after loading, before training resumed
+    assert again["position"] == 2 and torch.equal(again["pass_rng"]["torch"], state["pass_rng"]["torch"])
+    third = WrappedLoader(data, AccumulationGate(2))
+    third.load_state_dict(again)
+    rest = list(third)
+    assert sorted(torch.cat(consumed + rest).tolist()) == list(range(12))  # the same epoch order, resumed after 2
