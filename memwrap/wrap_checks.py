@@ -293,9 +293,10 @@ def _check_checkpointing(model: nn.Module, opts: Options) -> dict[str, Any] | No
     if already:
         raise ValueError(
             f"checkpoint={opts.checkpoint!r}, but {len(already)} module(s) of the model are already checkpointed "
-            f"({', '.join(already[:3])}{', ...' if len(already) > 3 else ''}) by memwrap.apply_checkpointing. wrap() "
-            "would replace that checkpointing and unwrap() would then remove it. Fix: drop checkpoint= (wrap() keeps "
-            "and reports the existing checkpointing), or call memwrap.remove_checkpointing(model) first."
+            f"({', '.join(already[:3])}{', ...' if len(already) > 3 else ''}) by memwrap.apply_checkpointing or by an "
+            "earlier wrap(checkpoint=...) not unwrapped. wrap() would replace that checkpointing and unwrap() would then "
+            "remove it. Fix: drop checkpoint= (wrap() keeps and reports the existing checkpointing), unwrap the earlier "
+            "wrapped model, or call memwrap.remove_checkpointing(model) first."
         )
     policy, every, _, _ = resolve_policy(how["policy"], how.get("every", 1), how.get("mode", "full"),
                                          how.get("offload", False))
