@@ -1,4 +1,8 @@
-"""The ``memwrap`` command. Each subcommand lives in its own module and registers itself here."""
+"""The ``memwrap`` command. Each subcommand lives in its own module and registers itself here.
+
+Exit status (every subcommand): 0 success, 1 an unexpected failure (or, for ``memwrap demo``, a measured peak
+more than 10% from its prediction), 2 bad input (argparse's own errors included), 3 nothing fits the budget.
+"""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +13,50 @@ import sys
 SUBCOMMANDS = ("memwrap.memory.cli", "memwrap.demo")
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors suggest the closest option for each unknown one (``--budjet`` ->
+    ``--budget``, ``--seq-len`` -> ``--seq``), as Python 3.14's ``suggest_on_error`` does for choices.
+    Subparsers are built with the same class, so the suggestion names the subcommand's own options."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._seen = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def _all_options(self) -> list[str]:
+        names = list(self._option_string_actions)
+        seen = getattr(self, "_seen", [])
+        for action in self._actions:  # the top-level parser reports unknown options of the subcommand it ran
+            if isinstance(action, argparse._SubParsersAction):
+                for command, sub in action.choices.items():
+                    if command in seen:
+                        names += list(sub._option_string_actions)
+        return sorted(set(names))
+
+    def error(self, message: str):
+        from memwrap.errors import closest_hint
+
+        known = self._all_options()
+        hints = []
+        for token in getattr(self, "_seen", []):
+            if not isinstance(token, str) or not token.startswith("--") or token == "--":
+                continue
+            name = token.split("=", 1)[0]
+            if name not in known and not any(k.startswith(name) for k in known):  # argparse takes unique prefixes
+                hint = closest_hint(name, [k for k in known if k.startswith("--")])
+                hints.append(f"unknown option {name}.{hint}" if hint else f"unknown option {name}.")
+        if hints:
+            message = f"{message} ({' '.join(hints)})"
+        super().error(message)
+
+
+def _version() -> str:
+    import torch
+
+    import memwrap
+
+    return f"memwrap {memwrap.__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser with every available subcommand.
 
@@ -16,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
         >>> build_parser().prog
         'memwrap'
     """
-    parser = argparse.ArgumentParser(prog="memwrap", description="Train models that do not fit in GPU memory.")
+    parser = _Parser(prog="memwrap", description="Train models that do not fit in GPU memory.",
+                     epilog="Exit status: 0 success, 2 bad input, 3 nothing fits the budget, 1 any other failure.")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
         importlib.import_module(name).register(sub)

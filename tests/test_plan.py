@@ -47,8 +47,9 @@ def test_candidates_keep_the_global_batch_and_cover_the_grid(grid):
 def _check_ranking(p):
     fits = [c.fits for c in p.candidates]
     assert fits == sorted(fits, reverse=True), "a fitting candidate is ranked below one that does not fit"
-    fitting = [c.seconds for c in p.candidates if c.fits]
-    assert fitting == sorted(fitting)
+    fitting = [(bool(c.changes), c.seconds) for c in p.candidates if c.fits]
+    assert fitting == sorted(fitting)  # the user's optimizer first, each group by predicted time
+    assert all(bool(c.changes) == (c.optim != p.keep_optim) for c in p.candidates)
     for c in p.candidates:
         assert c.fits == (c.estimate.peak + c.margin <= p.budget)
     assert p.best is (p.candidates[0] if p.candidates[0].fits else None)
@@ -113,7 +114,7 @@ def test_margin_is_kept_apart_and_decides_the_fit(grid):
 
 
 def test_plan_input_errors():
-    with pytest.raises(ValueError, match="do not divide"):
+    with pytest.raises(ValueError, match="do not divide|is not divisible"):
         plan(factory, make_batch, budget="1GiB", global_batch=4, micro_batches=(3,))
     with pytest.raises(ValueError, match="global_batch"):
         plan(factory, make_batch, budget="1GiB", global_batch=0)
@@ -181,3 +182,100 @@ def test_extra_wrap_options_reach_the_pasted_code_and_the_json():
     assert best.estimate.options["max_grad_norm"] == 0.5  # the option the trace ran with
     assert "max_grad_norm=0.5" in p.code()
     assert json.loads(json.dumps(p.to_dict(), default=repr))["best"]["options"]["max_grad_norm"] == 0.5
+
+
+# --- the user's training maths comes first (issue 11, item 10) -------------------------------------
+
+def test_a_fitting_candidate_with_the_users_optimizer_ranks_before_a_faster_one_that_changes_it(grid):
+    adamw = [c for c in grid.candidates if c.optim == "adamw"]
+    budget = max(c.estimate.peak for c in grid.candidates)  # everything fits
+    p = grid.with_budget(budget)
+    fastest = min(p.candidates, key=lambda c: c.seconds)
+    assert fastest.optim == "adamw_8bit"  # less optimizer state to stream: predicted faster
+    assert p.keep_optim == "adamw" and p.best.optim == "adamw" and not p.best.changes
+    assert p.best.seconds == min(c.seconds for c in adamw)
+    assert "It keeps your optimizer (adamw)" in p.verdict and "changes the training maths" in p.verdict
+    assert "optim='adamw'" in p.code()
+    # keep_optim=None: speed alone, as before
+    free = plan(factory, make_batch, budget=budget, global_batch=4, micro_batches=(4,), precisions=("bf16",),
+                checkpoints=(None,), optimizers=("adamw", "adamw_8bit"), margin=(0.0, 0), keep_optim=None)
+    assert free.best.optim == "adamw_8bit" and free.keep_optim is None and "keeps your optimizer" not in free.verdict
+
+
+def test_the_verdict_says_when_the_best_plan_changes_the_optimizer(grid):
+    smallest_adamw = min(c.required for c in grid.candidates if c.optim == "adamw")
+    p = grid.with_budget(smallest_adamw - 1)  # only 8-bit candidates fit
+    assert p.fits and p.best.optim == "adamw_8bit" and p.best.changes == ("optimizer adamw -> adamw_8bit",)
+    assert "NOTE: this changes the training maths (optimizer adamw -> adamw_8bit)" in p.verdict
+    assert "no candidate with adamw fits" in p.verdict and p.fmt(smallest_adamw) in p.verdict
+    d = p.to_dict()
+    assert d["changes_maths"] is True and d["best"]["changes"] == ["optimizer adamw -> adamw_8bit"]
+
+
+def test_keep_optim_accepts_an_alias():
+    p = plan(factory, make_batch, budget="4GiB", global_batch=2, micro_batches=(2,), precisions=("fp32",),
+             checkpoints=(None,), optimizers=("adamw_8bit", "adamw"), keep_optim="adamw_torch")
+    assert p.keep_optim == "adamw" and p.best.optim == "adamw"
+
+
+def _sgd_spec(name, **kw):
+    from memwrap.registry import OptimizerSpec
+
+    return OptimizerSpec(name=name, factory=lambda params, **hp: torch.optim.SGD(params, **hp),
+                         state_bytes=kw.pop("state_bytes", lambda p, module=None, **hp: p.numel() * p.element_size()),
+                         defaults={"lr": 0.1, "momentum": 0.9}, **kw)
+
+
+@pytest.fixture
+def register_optimizers():
+    """Register optimizer specs as a third-party plugin does (its hook returns them); unregistered after the test."""
+    from memwrap.plugins import get_plugin_manager
+
+    pm, names = get_plugin_manager(), []
+
+    def register(*specs):
+        class Plugin:
+            @memwrap.hookimpl
+            def memwrap_optimizers(self):
+                return list(specs)
+
+        names.append(f"planner_test_plugin_{len(names)}")
+        pm.register(Plugin(), name=names[-1])
+
+    yield register
+    for name in names:
+        pm.unregister(name=name)
+
+
+def test_default_optimizers_come_from_the_registry_third_party_plugins_included(register_optimizers):
+    from memwrap.memory.planner import default_optimizers
+    from memwrap.registry import optimizers
+
+    register_optimizers(_sgd_spec("sgd_planner_test"))
+    defaults = default_optimizers()
+    assert "sgd_planner_test" in defaults
+    assert set(defaults) == {r.name for r in optimizers() if r.available}
+    p = plan(factory, make_batch, budget="4GiB", global_batch=2, micro_batches=(2,), precisions=("fp32",),
+             checkpoints=(None,), optimizers=None)
+    assert {c.optim for c in p.candidates} >= {"adamw", "sgd_planner_test"}
+    sgd = next(c for c in p.candidates if c.optim == "sgd_planner_test")
+    direct = estimate(factory, lambda: make_batch(2), precision="fp32", accumulate=1, optim="sgd_planner_test")
+    assert sgd.estimate.peak == direct.peak  # planned like a built-in: traced through the plugin's own factory
+
+
+def test_a_failing_optimizer_plugin_is_skipped_and_named_not_fatal(register_optimizers):
+    def broken(param, module=None, **hp):
+        raise RuntimeError("state_bytes is broken in this plugin")
+
+    register_optimizers(_sgd_spec("broken_planner_test", state_bytes=broken, runs_on_fake=False))
+    p = plan(factory, make_batch, budget="4GiB", global_batch=2, micro_batches=(2,), precisions=("fp32",),
+             checkpoints=(None,), optimizers=("adamw", "broken_planner_test"))
+    assert [c.optim for c in p.candidates] == ["adamw"] and p.best.optim == "adamw"
+    (label, why), = p.skipped
+    assert label.endswith("broken_planner_test") and "state_bytes is broken in this plugin" in why
+    assert "planner_test_plugin_0" in why  # the plugin is named
+
+
+def test_an_int_budget_without_unit_is_refused():
+    with pytest.raises(ValueError, match="read as 24 bytes.*'24GiB'"):
+        plan(factory, make_batch, budget=24, global_batch=2)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["memwrap_trainer_kwargs", "memwrap_optimizer_class", "wrap_options"]
+__all__ = ["memwrap_trainer_kwargs", "memwrap_optimizer_class", "wrap_options", "checkpoint_report"]
 
 # Trainer's optim strings whose optimizer memwrap builds with the same maths and the same hyperparameters
 # (see transformers.trainer_optimizer): HF name -> (memwrap optimizer, extra keyword Trainer passes).
@@ -205,6 +205,25 @@ def memwrap_trainer_kwargs(model: nn.Module, args: Any = None, *, optim: str | N
         if how is not None:
             apply_checkpointing(model, **how)
     return built
+
+
+def checkpoint_report(model: nn.Module) -> Any:
+    """What :func:`memwrap_trainer_kwargs` (``checkpoint=...``) checkpointed on ``model``: a
+    :class:`memwrap.checkpointing.CheckpointReport` (``modules``, ``policy``, ``mode``, ``every``, ``offload``,
+    ``classes``), or None when memwrap applied no checkpointing to it. (A ``memwrap.wrap``'ped model carries the
+    same report as ``model.checkpoint_report``.)
+
+    Example:
+        >>> kwargs = memwrap_trainer_kwargs(model, args, checkpoint="auto")  # doctest: +SKIP
+        >>> print(checkpoint_report(model))  # doctest: +SKIP
+        checkpointed 2 module(s) (LlamaDecoderLayer x2); policy=auto, mode=full, every=1, offload=False: ...
+    """
+    from memwrap.checkpointing import current_report
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"checkpoint_report() takes the model given to memwrap_trainer_kwargs(), got "
+                        f"{type(model).__name__}.")
+    return current_report(model)
 
 
 def _optimizer_kwargs(model: nn.Module, args: Any, optim: str | None, checkpoint: Any,

@@ -5,6 +5,9 @@ Examples::
     memwrap plan --preset llama-7b --batch 1 --seq 2048 --budget 24GiB
     memwrap plan mypkg.models:build --input-shape 64,3,224,224 --budget 24GiB --plot plan.png
     memwrap plan train.py:make_model --input-shape 8,512 --input-dtype long --input-high 32000 --budget "24 GB" --json
+
+Exit status: 0 when a configuration fits, 3 when nothing fits (the table and verdict are still printed, and
+``--json`` is still written), 2 for bad input (as argparse's own errors), 1 for an unexpected failure.
 """
 from __future__ import annotations
 
@@ -17,9 +20,12 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["register", "run", "load_factory", "PlanInputError"]
+__all__ = ["register", "run", "load_factory", "PlanInputError", "EXIT_FITS", "EXIT_BAD_INPUT", "EXIT_NOTHING_FITS",
+           "DEFAULT_TOP"]
 
 CHECKPOINT_NAMES = ("none", "selective", "full", "offload", "every-<k>")
+EXIT_FITS, EXIT_BAD_INPUT, EXIT_NOTHING_FITS = 0, 2, 3  # `memwrap demo` uses the same codes
+DEFAULT_TOP = 20  # rows shown without --top: the grid can hold hundreds of candidates
 
 
 class PlanInputError(ValueError):
@@ -31,11 +37,16 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "plan", help="predict peak memory of training configurations and pick the fastest that fits",
         description="Trace one training step per configuration on fake tensors (nothing is allocated), rank the "
-                    "configurations that fit the budget by predicted step time, and print the two lines to paste.")
+                    "configurations that fit the budget (those keeping --keep-optim first, then by predicted step "
+                    "time), and print the two lines to paste. Exit status: 0 when a configuration fits, 3 when "
+                    "nothing fits, 2 for bad input.")
     p.add_argument("target", nargs="?", help="model factory: 'package.module:function' or 'path/to/file.py:function' "
-                                             "(a zero-argument callable returning an nn.Module)")
+                                             "(a zero-argument callable returning an nn.Module, or a tuple "
+                                             "(model, make_batch) or (model, make_batch, loss_fn) with "
+                                             "make_batch(micro_batch_size) -> one micro-batch)")
     p.add_argument("--preset", help="a built-in model preset (memwrap.models), e.g. llama-7b, gpt2-xl, resnet50")
-    p.add_argument("--budget", required=True, help='device memory, e.g. 24GiB, "24 GB", 25769803776')
+    p.add_argument("--budget", required=True, help='device memory with its unit, e.g. 24GiB, "24 GB" (decimal), '
+                                                   '4096B (a bare number such as 24 is refused)')
     p.add_argument("--batch", "--global-batch", dest="batch", type=int, default=None,
                    help="samples per optimizer update (kept fixed; split into micro-batches x accumulation)")
     p.add_argument("--seq", type=int, default=None, help="sequence length for text presets (image side for resnet)")
@@ -47,14 +58,21 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="upper bound of random token ids (--input-dtype long; default 32000)")
     p.add_argument("--micro-batches", help="comma-separated micro-batch sizes to try (default: powers of two)")
     p.add_argument("--precisions", default="bf16,fp32", help="comma-separated: fp32, tf32, bf16, fp16")
-    p.add_argument("--checkpoints", default="none,selective,every-2,full,offload",
-                   help=f"comma-separated checkpoint policies: {', '.join(CHECKPOINT_NAMES)}")
-    p.add_argument("--optimizers", default=None, help="comma-separated optimizer names (default: installed ones)")
+    p.add_argument("--checkpoints", default=None,
+                   help=f"comma-separated checkpoint policies: {', '.join(CHECKPOINT_NAMES)}, or a plugin's policy "
+                        f"(default: none,selective,every-2,full,offload and every plugin policy)")
+    p.add_argument("--optimizers", default=None,
+                   help="comma-separated optimizer names (default: every installed optimizer in the registry, "
+                        "third-party plugins included; `python -c 'import memwrap; print(memwrap.optimizers())'`)")
+    p.add_argument("--keep-optim", default="adamw", metavar="NAME",
+                   help="the optimizer you train with (default adamw): configurations that keep it rank before those "
+                        "that change the optimizer, i.e. the training maths; 'any' ranks by predicted speed alone")
     p.add_argument("--max-grad-norm", type=float, default=None, help="gradient clipping, as in wrap()")
     p.add_argument("--margin", type=float, default=0.08, help="margin as a fraction of the peak (default 0.08)")
     p.add_argument("--margin-bytes", default="1GiB",
                    help="fixed margin: CUDA context, workspaces (default 1GiB; 0 or 0B for none)")
-    p.add_argument("--top", type=int, default=None, help="show only the first N candidates in the table")
+    p.add_argument("--top", default=str(DEFAULT_TOP), metavar="N",
+                   help=f"show the first N candidates in the table (default {DEFAULT_TOP}; 'all' shows every one)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write the plan as JSON to PATH, or to stdout (instead of the table) without PATH")
     p.add_argument("--plot", metavar="PNG", help="stacked bars by category per candidate, with the budget line")
@@ -111,11 +129,21 @@ def _checkpoints(text: str) -> list[Any]:
     return [None if c.lower() in ("none", "no", "off") else c for c in _list(text)]
 
 
+def _top(text: str) -> int | None:
+    if str(text).strip().lower() == "all":
+        return None
+    try:
+        top = int(text)
+    except ValueError:
+        top = 0
+    if top < 1:
+        raise PlanInputError(f"--top {text} is not valid; give the number of candidates to show, >= 1, or 'all'.")
+    return top
+
+
 def _model_and_batches(args):
     import torch
 
-    if args.top is not None and args.top < 1:
-        raise PlanInputError(f"--top {args.top} is not valid; give the number of candidates to show, >= 1.")
     if args.batch is not None and args.batch < 1:
         raise PlanInputError(f"--batch {args.batch} is not valid; give the samples per optimizer update, >= 1.")
     if args.preset and args.target:
@@ -137,28 +165,96 @@ def _model_and_batches(args):
         return spec.factory, (lambda mb: preset_batch(args.preset, mb, seq)), batch, spec.loss
     if not args.target:
         raise PlanInputError("give a model: --preset NAME or 'package.module:factory'.")
+    if args.seq is not None:
+        raise PlanInputError(f"--seq {args.seq} applies to --preset models; a factory model's sequence length is "
+                             f"part of --input-shape (e.g. --input-shape "
+                             f"{(args.input_shape or '8').split(',')[0]},{args.seq}).")
+    module, make, loss = _build_factory(load_factory(args.target))
+    if make is not None:  # the factory brought its own batches (and loss): the step it describes is traced
+        given = [f for f, v in (("--input-shape", args.input_shape), ("--input-dtype", args.input_dtype),
+                                ("--input-high", args.input_high)) if v is not None]
+        if given:
+            raise PlanInputError(f"{' and '.join(given)} would be ignored: the factory returns its own make_batch. "
+                                 f"Drop {' and '.join(given)} and give the global batch with --batch.")
+        if args.batch is None:
+            raise PlanInputError("a factory that returns (model, make_batch, ...) needs --batch (samples per "
+                                 "optimizer update).")
+        return module, make, args.batch, loss
     if not args.input_shape:
-        raise PlanInputError("a factory model needs --input-shape, e.g. --input-shape 64,3,224,224.")
+        raise PlanInputError("a factory model needs --input-shape, e.g. --input-shape 64,3,224,224 (or return "
+                             "(model, make_batch, loss_fn) from the factory).")
     try:
         shape = [int(s) for s in args.input_shape.split(",")]
     except ValueError:
         raise PlanInputError(f"--input-shape {args.input_shape!r} must be comma-separated integers.") from None
     if any(d < 1 for d in shape):
         raise PlanInputError(f"--input-shape {args.input_shape!r} must hold sizes >= 1.")
-    if args.seq is not None:
-        raise PlanInputError(f"--seq {args.seq} applies to --preset models; a factory model's sequence length is "
-                             f"part of --input-shape (e.g. --input-shape {shape[0]},{args.seq}).")
-    if args.input_high is not None and args.input_dtype != "long":
+    lm = causal_lm_vocab(module)
+    dtype = args.input_dtype or ("long" if lm else "float32")
+    if args.input_high is not None and dtype != "long":
         raise PlanInputError("--input-high bounds random token ids; it needs --input-dtype long.")
-    factory = load_factory(args.target)
     batch = shape[0] if args.batch is None else args.batch
     rest = shape[1:]
-    if args.input_dtype == "long":
-        high = 32000 if args.input_high is None else args.input_high
+    if dtype == "long":
+        high = (lm or 32000) if args.input_high is None else args.input_high
+        if lm and len(rest) == 1:
+            # A causal LM computes its own cross-entropy from labels (Hugging Face: labels=input_ids, shifted
+            # inside the model): the step traced is then the one training runs, not a loss on bare logits.
+            def make(mb):
+                ids = torch.randint(0, high, (mb, *rest))
+                return {"input_ids": ids, "labels": ids}
+            if not args.quiet and args.json != "-":
+                print(f"memwrap plan: {type(module).__name__} is a causal language model: tracing "
+                      f"model(input_ids=..., labels=input_ids) and its own cross-entropy loss", file=sys.stderr)
+            return module, make, batch, None
         make = lambda mb: torch.randint(0, high, (mb, *rest))  # noqa: E731
     else:
         make = lambda mb: torch.randn(mb, *rest)  # noqa: E731
-    return factory, make, batch, None
+    return module, make, batch, None
+
+
+def causal_lm_vocab(module: Any) -> int | None:
+    """The vocabulary size of a causal language model that computes its own loss from ``labels`` (a
+    Hugging Face ``*ForCausalLM``: a ``config`` with ``vocab_size`` and a ``labels`` argument in
+    ``forward``), else None.
+
+    Example:
+        >>> import torch
+        >>> causal_lm_vocab(torch.nn.Linear(2, 2)) is None
+        True
+    """
+    import inspect
+
+    vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        return None
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return vocab if "labels" in params and "input_ids" in params else None
+
+
+def _build_factory(factory: Any) -> tuple[Any, Any, Any]:
+    """``(module built on the meta device, make_batch or None, loss_fn or None)`` from a factory target."""
+    import torch
+    from torch import nn
+
+    if isinstance(factory, nn.Module):
+        return factory, None, None
+    if not callable(factory):
+        raise PlanInputError(f"the model target is a {type(factory).__name__}, not a factory (a zero-argument "
+                             f"callable) or an nn.Module.")
+    with torch.device("meta"):  # nothing allocated: the planner traces a structural copy on fake tensors
+        built = factory()
+    if isinstance(built, nn.Module):
+        return built, None, None
+    if isinstance(built, tuple) and len(built) in (2, 3) and isinstance(built[0], nn.Module) and callable(built[1]) \
+            and (len(built) == 2 or built[2] is None or callable(built[2])):
+        return built[0], built[1], (built[2] if len(built) == 3 else None)
+    raise PlanInputError(f"the model factory returned {type(built).__name__}; return an nn.Module, or a tuple "
+                         f"(model, make_batch) or (model, make_batch, loss_fn) with make_batch(micro_batch_size) "
+                         f"returning one micro-batch and loss_fn(outputs, targets) the training loss.")
 
 
 class _Progress:
@@ -192,14 +288,17 @@ class _Progress:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Execute ``memwrap plan``; returns the exit status (0 when a plan was made, fitting or not)."""
+    """Execute ``memwrap plan``; returns the exit status: 0 when a configuration fits, 3 when nothing fits
+    (:data:`EXIT_NOTHING_FITS`, as ``memwrap demo``), 2 for bad input."""
     from memwrap.memory.budget import parse_budget
     from memwrap.memory.planner import Margin, plan
     from memwrap.memory.report import plan_table, plot_plan, print_plan
 
     try:  # every input error exits 2, as argparse's own do
-        budget = parse_budget(args.budget)
+        parse_budget(args.budget, what="--budget")  # checked here to name the flag; plan() reads the same text
         margin = Margin.parse((args.margin, args.margin_bytes))  # the same validation as plan(margin=...)
+        top = _top(args.top)
+        keep = None if args.keep_optim.strip().lower() in ("any", "none") else args.keep_optim
         factory, make_batch, global_batch, loss = _model_and_batches(args)
         try:
             micro = [int(m) for m in _list(args.micro_batches)] if args.micro_batches else None
@@ -210,29 +309,31 @@ def run(args: argparse.Namespace) -> int:
         return 2
     progress = _Progress(args.quiet or args.json == "-")
     try:
-        result = plan(factory, make_batch, budget=budget, global_batch=global_batch, loss_fn=_loss(loss),
-                      precisions=_list(args.precisions), checkpoints=_checkpoints(args.checkpoints),
+        result = plan(factory, make_batch, budget=args.budget, global_batch=global_batch, loss_fn=_loss(loss),
+                      precisions=_list(args.precisions),
+                      checkpoints=_checkpoints(args.checkpoints) if args.checkpoints is not None else None,
                       optimizers=_list(args.optimizers), micro_batches=micro, margin=margin,
-                      max_grad_norm=args.max_grad_norm, progress=progress)
+                      max_grad_norm=args.max_grad_norm, keep_optim=keep, progress=progress)
     except (ValueError, TypeError) as exc:
         progress.close()
         print(f"memwrap plan: {exc}", file=sys.stderr)
         return 2
     progress.close()
+    status = EXIT_FITS if result.fits else EXIT_NOTHING_FITS
     if args.plot:
         plot_plan(result, args.plot)
     if args.json == "-":
         json.dump(result.to_dict(), sys.stdout, indent=1, default=repr)
         print()
-        return 0
+        return status
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result.to_dict(), fh, indent=1, default=repr)
     if sys.stdout.isatty():
-        print_plan(result, limit=args.top)
+        print_plan(result, limit=top)
     else:
-        print(plan_table(result, limit=args.top))
-    return 0
+        print(plan_table(result, limit=top))
+    return status
 
 
 def _loss(preset_loss):

@@ -1,5 +1,6 @@
 """``plan()``: search micro-batch x accumulation, precision, checkpointing and optimizer under a
-memory budget, and rank the configurations by predicted step time.
+memory budget, and rank the configurations that fit: those that keep the user's optimizer (the same
+training maths) first, each group by predicted step time.
 
 Traces are shared: candidates with the same shapes (micro-batch, precision, checkpoint policy,
 accumulation on/off) share one trace, and optimizers that cannot run on fake tensors are derived
@@ -25,11 +26,12 @@ from memwrap.memory.budget import format_bytes, parse_budget
 from memwrap.memory.cost import cost_terms
 from memwrap.memory.estimator import Estimate, derive, finish, resolve_model, trace_config
 
-__all__ = ["Candidate", "Margin", "Plan", "plan", "rank", "DEFAULT_PRECISIONS", "DEFAULT_CHECKPOINTS", "default_optimizers"]
+__all__ = ["Candidate", "Margin", "Plan", "plan", "rank", "DEFAULT_PRECISIONS", "DEFAULT_CHECKPOINTS",
+           "default_optimizers", "default_checkpoints"]
 
 DEFAULT_PRECISIONS = ("bf16", "fp32")
+# The built-in policy forms; default_checkpoints() adds the policies plugins register.
 DEFAULT_CHECKPOINTS = (None, "selective", "every-2", "full", "offload")
-_PREFERRED_OPTIMIZERS = ("adamw", "adamw_8bit", "adafactor", "lion_8bit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +102,10 @@ class Candidate:
     terms: dict[str, float]
     cost: float = 1.0  # seconds relative to the cheapest candidate
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # other wrap options traced, e.g. max_grad_norm
+    # What this candidate changes in the training maths relative to the user's setup (set by rank()), e.g.
+    # ("optimizer adamw -> adafactor",); empty when only memory-neutral settings change (micro-batch x
+    # accumulation and checkpointing are exact: the same updates, bit for bit up to summation order).
+    changes: tuple[str, ...] = ()
 
     @property
     def options(self) -> dict[str, Any]:
@@ -125,12 +131,13 @@ class Candidate:
                 "precision": self.precision, "checkpoint": self.checkpoint, "optim": self.optim,
                 "options": self.options, "peak": self.estimate.peak, "margin": self.margin,
                 "required": self.required, "fits": self.fits, "seconds": self.seconds, "cost": self.cost,
-                "cost_terms": self.terms, "estimate": self.estimate.to_dict()}
+                "changes": list(self.changes), "cost_terms": self.terms, "estimate": self.estimate.to_dict()}
 
 
 @dataclasses.dataclass
 class Plan:
-    """Ranked candidates: those that fit by predicted step time, then the others by memory needed."""
+    """Ranked candidates: those that fit (the ones keeping ``keep_optim`` first, then those that change the
+    optimizer; each group by predicted step time), then the others by memory needed."""
 
     candidates: list[Candidate]
     budget: int
@@ -138,10 +145,24 @@ class Plan:
     margin: Margin
     seconds: float
     skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (label, why) not traceable
+    keep_optim: str | None = None  # the user's optimizer; None: ranked by speed alone
+
+    @property
+    def unit(self) -> tuple[str, int]:
+        """The one memory unit of this plan's report (table, header, verdict): the largest unit in which the
+        biggest predicted peak is at least 1, so a small model does not read 0.00 everywhere."""
+        from memwrap.memory.budget import unit_for
+
+        return unit_for(max((c.estimate.peak for c in self.candidates), default=0))
+
+    def fmt(self, n: int | float) -> str:
+        """``n`` bytes in :attr:`unit`, e.g. ``'405.12 MiB'``."""
+        return format_bytes(n, unit=self.unit[0])
 
     @property
     def best(self) -> Candidate | None:
-        """The fastest candidate that fits, or None."""
+        """The first-ranked candidate that fits (it keeps ``keep_optim`` whenever any such candidate fits),
+        or None."""
         return self.candidates[0] if self.candidates and self.candidates[0].fits else None
 
     @property
@@ -155,19 +176,21 @@ class Plan:
 
     @property
     def verdict(self) -> str:
-        """One paragraph: the choice, or why nothing fits and what dominates the smallest peak."""
+        """One paragraph: the choice (and whether it changes the training maths), or why nothing fits and what
+        dominates the smallest peak."""
+        fmt = self.fmt
         if self.best is not None:
             b = self.best
-            return (f"best: {b.label}: peak {format_bytes(b.estimate.peak)} + margin {format_bytes(b.margin)} "
-                    f"= {format_bytes(b.required)} of {format_bytes(self.budget)}; predicted "
+            return (f"best: {b.label}: peak {fmt(b.estimate.peak)} + margin {fmt(b.margin)} "
+                    f"= {fmt(b.required)} of {fmt(self.budget)}; predicted "
                     f"{b.seconds:.3g} s/update on the reference GPU ({sum(c.fits for c in self.candidates)} of "
-                    f"{len(self.candidates)} candidates fit).")
+                    f"{len(self.candidates)} candidates fit).{self._maths_note()}")
         low = min(self.candidates, key=lambda c: c.estimate.peak)
         if low.estimate.peak <= self.budget:
-            return (f"nothing fits in {format_bytes(self.budget)} once the margin is added: {low.label} has a peak of "
-                    f"{format_bytes(low.estimate.peak)}, which fits, but the margin ({self.margin.fraction:.0%} of the "
-                    f"peak + {format_bytes(self.margin.fixed)} = {format_bytes(low.margin)}) brings it to "
-                    f"{format_bytes(low.required)}. The margin is what does not fit: lower it (--margin / "
+            return (f"nothing fits in {fmt(self.budget)} once the margin is added: {low.label} has a peak of "
+                    f"{fmt(low.estimate.peak)}, which fits, but the margin ({self.margin.fraction:.0%} of the "
+                    f"peak + {fmt(self.margin.fixed)} = {fmt(low.margin)}) brings it to "
+                    f"{fmt(low.required)}. The margin is what does not fit: lower it (--margin / "
                     f"--margin-bytes, or plan(margin=...)) if you know the CUDA context and allocator overheads of "
                     f"your setup, or free memory.")
         s = self.smallest
@@ -179,9 +202,30 @@ class Plan:
             "activations": "activations dominate: shorten the sequence, or lower the micro-batch below the candidates'.",
             "temporaries": "backward temporaries dominate: shorten the sequence or lower the micro-batch.",
         }.get(cat, "")
-        return (f"nothing fits in {format_bytes(self.budget)}: the smallest peak is {format_bytes(s.estimate.peak)} "
-                f"(+ margin {format_bytes(s.margin)} = {format_bytes(s.required)}) with {s.label}, dominated by "
-                f"{cat} ({format_bytes(s.estimate.breakdown[cat])}); {advice}")
+        return (f"nothing fits in {fmt(self.budget)}: the smallest peak is {fmt(s.estimate.peak)} "
+                f"(+ margin {fmt(s.margin)} = {fmt(s.required)}) with {s.label}, dominated by "
+                f"{cat} ({fmt(s.estimate.breakdown[cat])}); {advice}")
+
+    def _maths_note(self) -> str:
+        """Says when the best candidate changes the training maths, and when one that does would be faster."""
+        b, keep = self.best, self.keep_optim
+        if keep is None:
+            return ""
+        kept = [c for c in self.candidates if not c.changes]
+        if b.changes:
+            if kept:
+                low = min(kept, key=lambda c: c.required)
+                why = (f"no candidate with {keep} fits (the smallest, {low.label}, needs {self.fmt(low.required)})")
+            else:
+                why = f"{keep} was not among the optimizers searched"
+            return (f" NOTE: this changes the training maths ({'; '.join(b.changes)}): {why}. The new optimizer "
+                    f"has other hyperparameters and convergence; check them before a long run.")
+        faster = [c for c in self.candidates if c.fits and c.changes and c.seconds < b.seconds]
+        if faster:
+            f = min(faster, key=lambda c: c.seconds)
+            return (f" It keeps your optimizer ({keep}); {f.label} would be {b.seconds / f.seconds:.2f}x faster but "
+                    f"changes the training maths ({'; '.join(f.changes)}).")
+        return f" It keeps your optimizer ({keep})."
 
     def with_budget(self, budget: int | str, margin: Any = None) -> Plan:
         """The same candidates judged against another budget (and margin), without tracing again.
@@ -191,8 +235,8 @@ class Plan:
         """
         margin_ = Margin.parse(margin) if margin is not None else self.margin
         cands = [dataclasses.replace(c) for c in self.candidates]
-        return Plan(rank(cands, parse_budget(budget), margin_), parse_budget(budget), self.global_batch, margin_,
-                    self.seconds, list(self.skipped))
+        return Plan(rank(cands, parse_budget(budget), margin_, keep_optim=self.keep_optim), parse_budget(budget),
+                    self.global_batch, margin_, self.seconds, list(self.skipped), self.keep_optim)
 
     def code(self, model: str = "model", optimizer: str = "optimizer") -> str:
         """The two lines to paste for the best candidate (or the smallest, when nothing fits)."""
@@ -204,7 +248,8 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"budget": self.budget, "global_batch": self.global_batch, "seconds": self.seconds,
-                "margin": dataclasses.asdict(self.margin), "fits": self.fits, "verdict": self.verdict,
+                "margin": dataclasses.asdict(self.margin), "fits": self.fits, "keep_optim": self.keep_optim,
+                "changes_maths": bool(self.best and self.best.changes), "verdict": self.verdict,
                 "best": self.best.to_dict() if self.best else None, "code": self.code(),
                 "skipped": [{"label": lab, "reason": why} for lab, why in self.skipped],
                 "candidates": [c.to_dict() for c in self.candidates]}
@@ -216,11 +261,29 @@ class Plan:
 
 
 def default_optimizers() -> tuple[str, ...]:
-    """Registered optimizers the plan tries by default (those whose backend is installed)."""
+    """Every registered optimizer whose backend is installed (built-in and third-party plugins alike):
+    the plan's default search space. A plugin's optimizer is planned like a built-in one.
+
+    Example:
+        >>> "adamw" in default_optimizers()
+        True
+    """
     from memwrap.registry import optimizers
 
-    rows = {r.name: r for r in optimizers()}
-    return tuple(n for n in _PREFERRED_OPTIMIZERS if n in rows and rows[n].available)
+    return tuple(r.name for r in optimizers() if r.available)
+
+
+def default_checkpoints() -> tuple[Any, ...]:
+    """The built-in checkpoint policy forms (:data:`DEFAULT_CHECKPOINTS`) and every policy a plugin
+    registers: the plan's default checkpointing search space.
+
+    Example:
+        >>> default_checkpoints()[:2]
+        (None, 'selective')
+    """
+    from memwrap.checkpoint_policies import plugin_policies
+
+    return DEFAULT_CHECKPOINTS + tuple(sorted(plugin_policies()))
 
 
 def _micro_batches(global_batch: int, given: Iterable[int] | None) -> list[int]:
@@ -256,9 +319,9 @@ def _expand(global_batch, candidates, micro_batches, precisions, checkpoints, op
 
 def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int], Any], *, budget: int | str,
          global_batch: int, candidates: list[dict] | None = None, loss_fn: Callable | None = None,
-         precisions: Iterable[str] = DEFAULT_PRECISIONS, checkpoints: Iterable[Any] = DEFAULT_CHECKPOINTS,
+         precisions: Iterable[str] = DEFAULT_PRECISIONS, checkpoints: Iterable[Any] | None = None,
          optimizers: Iterable[str] | None = None, micro_batches: Iterable[int] | None = None,
-         margin: Any = None, max_grad_norm: float | None = None,
+         margin: Any = None, max_grad_norm: float | None = None, keep_optim: str | None = "adamw",
          progress: Callable[[int, int, str], Any] | None = None) -> Plan:
     """Find the fastest configuration whose predicted peak (plus margin) fits in ``budget``.
 
@@ -267,7 +330,11 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
     ``accumulate = global_batch // m``. Without ``candidates`` (a list of dicts with keys
     ``micro_batch``, ``precision``, ``checkpoint``, ``optim``) the search is the product of the
     micro-batch sizes (powers of two dividing ``global_batch``, and ``global_batch``),
-    ``precisions``, ``checkpoints`` and ``optimizers`` (installed ones by default).
+    ``precisions``, ``checkpoints`` (default: :func:`default_checkpoints`, plugin policies included) and
+    ``optimizers`` (default: :func:`default_optimizers`, every installed registry optimizer).
+    ``keep_optim`` is the optimizer you train with (default ``"adamw"``): fitting candidates that keep it
+    rank before those that change the optimizer (the training maths), whatever their speed, and the
+    verdict says when the best one changes it; None ranks every fitting candidate by speed alone.
     ``margin`` is kept free beyond each predicted peak (see :class:`Margin`): None for the default
     (8% of the peak + 1 GiB), a fraction such as 0.1 (the 1 GiB fixed part is kept), a
     ``(fraction, size)`` pair such as ``(0.1, "512MiB")`` or ``(0, 0)``, or a :class:`Margin`.
@@ -288,9 +355,11 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
         raise TypeError("make_batch must be a callable taking the micro-batch size and returning one micro-batch, "
                         "e.g. lambda mb: preset_batch('gpt2', mb, 1024).")
     margin_ = Margin.parse(margin)
+    keep = get_optimizer_spec(keep_optim).name if keep_optim is not None else None  # an alias names the same maths
     module = resolve_model(model)
-    specs = [_expand(global_batch, candidates, micro_batches, tuple(precisions), tuple(checkpoints),
-                     tuple(optimizers) if optimizers is not None else default_optimizers())][0]
+    specs = _expand(global_batch, candidates, micro_batches, tuple(precisions),
+                    tuple(checkpoints) if checkpoints is not None else default_checkpoints(),
+                    tuple(optimizers) if optimizers is not None else default_optimizers())
     if not specs:
         raise ValueError("no candidate to evaluate: precisions, checkpoints and optimizers must not be empty.")
     for s in specs:
@@ -314,7 +383,9 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
             options["checkpoint"] = first["checkpoint"]
         if max_grad_norm is not None:
             options["max_grad_norm"] = max_grad_norm
-        fake_runnable = [m["optim"] for m in members if get_optimizer_spec(m["optim"]).runs_on_fake]
+        # The user's optimizer (a built-in, usually) is traced first: a plugin's failure then only skips its own rows.
+        fake_runnable = sorted((m["optim"] for m in members if get_optimizer_spec(m["optim"]).runs_on_fake),
+                               key=lambda o: o != keep)
         reference = fake_runnable[0] if fake_runnable else None
         batch_fn = (lambda mb_=mb: make_batch(mb_))
         if progress is not None:
@@ -332,32 +403,56 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
             continue
         traces[(key, reference)] = base
         for m in members:
-            tr = derive(base, m["optim"], module)
-            if tr is None:
-                tr = traces.get((key, m["optim"]))
+            try:
+                tr = derive(base, m["optim"], module)
                 if tr is None:
-                    tr = trace_config(module, batch_fn, loss_fn, options, m["optim"])
-                    traces[(key, m["optim"])] = tr
-            est = finish(tr, {**options, "optim": m["optim"]}, m["optim"])
+                    tr = traces.get((key, m["optim"]))
+                    if tr is None:
+                        tr = trace_config(module, batch_fn, loss_fn, options, m["optim"])
+                        traces[(key, m["optim"])] = tr
+                est = finish(tr, {**options, "optim": m["optim"]}, m["optim"])
+            except Exception as exc:  # noqa: BLE001 - one optimizer plugin's failure must not end the plan
+                skipped.append((f"{m['micro_batch']}x{options['accumulate']} {m['precision']} "
+                                f"{m['checkpoint'] or 'no-ckpt'} {m['optim']}",
+                                f"optimizer {m['optim']!r} ({_origin(m['optim'])}) failed: {type(exc).__name__}: "
+                                f"{exc}"))
+                continue
             results.append(_candidate(m, options, est, margin_, budget_bytes))
         done += 1
         if progress is not None:
             progress(done, total, f"traced {done}/{total}")
     if not results:
         raise ValueError(f"no candidate could be traced: {skipped[0][1] if skipped else 'empty grid'}")
-    return Plan(rank(results, budget_bytes, margin_), budget_bytes, global_batch, margin_, time.perf_counter() - start,
-                skipped)
+    return Plan(rank(results, budget_bytes, margin_, keep_optim=keep), budget_bytes, global_batch, margin_,
+                time.perf_counter() - start, skipped, keep)
 
 
-def rank(candidates: list[Candidate], budget: int, margin: Margin) -> list[Candidate]:
-    """Judge each candidate against ``budget`` (peak + margin) and order them: those that fit by
-    predicted step time, then the others by the memory they need. ``cost`` is relative to the fastest."""
+def rank(candidates: list[Candidate], budget: int, margin: Margin, *, keep_optim: str | None = None) -> list[Candidate]:
+    """Judge each candidate against ``budget`` (peak + margin) and order them: those that fit first, the
+    ones keeping ``keep_optim`` (same training maths) before the ones that change it, each group by
+    predicted step time; then the others by the memory they need. ``cost`` is relative to the fastest.
+
+    Example:
+        >>> [c.optim for c in rank(cands, 8 * 2**30, Margin(), keep_optim="adamw") if c.fits][:1]  # doctest: +SKIP
+        ['adamw']
+    """
     fastest = min((c.seconds for c in candidates), default=0.0)
     for c in candidates:
         c.margin = margin.of(c.estimate.peak)
         c.fits = c.estimate.peak + c.margin <= budget
         c.cost = c.seconds / fastest if fastest > 0 else 1.0
-    return sorted(candidates, key=lambda c: (0, c.seconds, 0) if c.fits else (1, c.required, c.seconds))
+        c.changes = () if keep_optim is None or c.optim == keep_optim else (f"optimizer {keep_optim} -> {c.optim}",)
+    return sorted(candidates, key=lambda c: (0, bool(c.changes), c.seconds) if c.fits else (1, c.required, c.seconds))
+
+
+def _origin(optim: str) -> str:
+    """Which plugin registered ``optim``, for messages."""
+    from memwrap.registry import _registry
+
+    try:
+        return next(origin for spec, origin in _registry().entries if spec.name == optim)
+    except Exception:  # noqa: BLE001 - only for a message
+        return "plugin unknown"
 
 
 def _candidate(spec: dict, options: dict, est: Estimate, margin: Margin, budget: int) -> Candidate:

@@ -18,24 +18,42 @@ TABLE_COLUMNS = ("#", "candidate", "params", "grads", "opt state", "activations"
 
 
 def gib(n: int | float) -> str:
-    """Bytes as GiB with two decimals (the budget's unit)."""
+    """Bytes as GiB with two decimals."""
     return f"{n / 2**30:.2f}"
 
 
-_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
-
-
 def table_unit(plan: Any) -> tuple[str, int]:
-    """The memory columns' unit: the largest in which the biggest predicted peak is at least 1, so a small
-    model's table does not read 0.00 everywhere.
+    """The report's one memory unit (columns, header, verdict): the largest in which the biggest predicted
+    peak is at least 1, so a small model's table does not read 0.00 everywhere.
 
     Example:
         >>> from types import SimpleNamespace as NS
         >>> table_unit(NS(candidates=[NS(estimate=NS(peak=300 * 2**20))]))
         ('MiB', 1048576)
     """
-    largest = max((c.estimate.peak for c in plan.candidates), default=0)
-    return next(((name, size) for name, size in _UNITS if largest >= size), _UNITS[-1])
+    from memwrap.memory.budget import unit_for
+
+    return unit_for(max((c.estimate.peak for c in plan.candidates), default=0))
+
+
+def _in(plan: Any, n: int | float) -> str:
+    """``n`` bytes in the plan's unit, with the unit: ``'8192.00 MiB'``."""
+    from memwrap.memory.budget import format_bytes
+
+    return format_bytes(n, unit=table_unit(plan)[0])
+
+
+def _header(plan: Any, candidates: bool = True) -> str:
+    count = f"{len(plan.candidates)} candidates, " if candidates else ""
+    return (f"memwrap plan: budget {_in(plan, plan.budget)}, global batch {plan.global_batch}, {count}margin "
+            f"{plan.margin.fraction:.0%} of peak + {_in(plan, plan.margin.fixed)}, planned in {plan.seconds:.1f} s")
+
+
+def _hidden_line(plan: Any, limit: int | None) -> list[str]:
+    if limit is None or len(plan.candidates) <= limit:
+        return []
+    return [f"... {len(plan.candidates) - limit} more candidates not shown ({limit} of {len(plan.candidates)}): "
+            f"--top all shows every one (--json writes them all)"]
 
 
 def table_columns(unit: str = "GiB") -> tuple[str, ...]:
@@ -68,13 +86,9 @@ def plan_table(plan: Any, limit: int | None = None) -> str:
     columns = table_columns(table_unit(plan)[0])
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(columns)]
     fmt = "  ".join(f"{{:<{w}}}" if i == 1 else f"{{:>{w}}}" for i, w in enumerate(widths))
-    lines = [f"memwrap plan: budget {gib(plan.budget)} GiB, global batch {plan.global_batch}, "
-             f"{len(plan.candidates)} candidates, margin {plan.margin.fraction:.0%} of peak + "
-             f"{gib(plan.margin.fixed)} GiB, planned in {plan.seconds:.1f} s",
-             fmt.format(*columns), fmt.format(*("-" * w for w in widths))]
+    lines = [_header(plan), fmt.format(*columns), fmt.format(*("-" * w for w in widths))]
     lines += [fmt.format(*r) for r in rows]
-    if limit is not None and len(plan.candidates) > limit:
-        lines.append(f"... {len(plan.candidates) - limit} more")
+    lines += _hidden_line(plan, limit)
     lines += _skipped_lines(plan)
     lines += ["", plan.verdict, "", plan.code()]
     return "\n".join(lines)
@@ -96,8 +110,7 @@ def print_plan(plan: Any, console: Any = None, limit: int | None = None) -> None
         print(plan_table(plan, limit=limit))
         return
     console = console or Console()
-    table = Table(title=f"memwrap plan: budget {gib(plan.budget)} GiB, global batch {plan.global_batch}, "
-                        f"margin {plan.margin.fraction:.0%} + {gib(plan.margin.fixed)} GiB, {plan.seconds:.1f} s")
+    table = Table(title=_header(plan))
     for i, col in enumerate(table_columns(table_unit(plan)[0])):
         # the candidate's name and its cost are read as wholes: never wrapped or cut on a narrow terminal
         table.add_column(col, justify="left" if i == 1 else "right", no_wrap=col in ("candidate", "cost"))
@@ -105,13 +118,28 @@ def print_plan(plan: Any, console: Any = None, limit: int | None = None) -> None
         style = None if row[9] == "yes" else "dim"
         table.add_row(*row, style=style)
     console.print(table)
-    if limit is not None and len(plan.candidates) > limit:
-        console.print(f"... {len(plan.candidates) - limit} more", markup=False, highlight=False)
+    for line in _hidden_line(plan, limit):
+        console.print(line, markup=False, highlight=False)
     for line in _skipped_lines(plan):
         console.print(line, markup=False)
     console.print(plan.verdict)
     # soft_wrap: the two lines to paste must stay two lines, whatever the terminal's width
     console.print(plan.code(), markup=False, highlight=False, soft_wrap=True)
+
+
+def plot_order(plan: Any) -> str:
+    """How the candidates are ordered, in words, for titles: it depends on whether anything fits.
+
+    Example:
+        >>> from types import SimpleNamespace as NS
+        >>> plot_order(NS(fits=False, keep_optim="adamw"))
+        'nothing fits: ranked by memory needed'
+    """
+    if not plan.fits:
+        return "nothing fits: ranked by memory needed"
+    keep = getattr(plan, "keep_optim", None)
+    first = f"those keeping {keep} first, " if keep else ""
+    return f"fitting ones {first}by predicted step time, then the others by memory needed"
 
 
 def plot_plan(plan: Any, path: str, limit: int | None = None) -> str:
@@ -125,6 +153,7 @@ def plot_plan(plan: Any, path: str, limit: int | None = None) -> str:
     import matplotlib.pyplot as plt
 
     cands = plan.candidates[:limit]
+    unit, size = table_unit(plan)
     cats = [("parameters", "params+buffers"), ("gradients", "gradients"), ("optimizer_state", "optimizer state"),
             ("activations", "activations"), ("temporaries", "temporaries+other")]
     fig, ax = plt.subplots(figsize=(max(8, 0.32 * len(cands) + 3), 5.5))
@@ -135,18 +164,18 @@ def plot_plan(plan: Any, path: str, limit: int | None = None) -> str:
         for c in cands:
             b = c.estimate.breakdown
             v = b[key] + (b["buffers"] if key == "parameters" else 0) + (b["other"] if key == "temporaries" else 0)
-            vals.append(v / 2**30)
+            vals.append(v / size)
         ax.bar(x, vals, bottom=bottom, label=label)
         bottom = [a + v for a, v in zip(bottom, vals)]
-    ax.bar(x, [c.margin / 2**30 for c in cands], bottom=bottom, label="margin", color="none", edgecolor="grey",
+    ax.bar(x, [c.margin / size for c in cands], bottom=bottom, label="margin", color="none", edgecolor="grey",
            hatch="//")
-    ax.axhline(plan.budget / 2**30, color="red", linestyle="--", label=f"budget {gib(plan.budget)} GiB")
+    ax.axhline(plan.budget / size, color="red", linestyle="--", label=f"budget {_in(plan, plan.budget)}")
     ax.set_xticks(list(x))
     ax.set_xticklabels([("* " if c.fits else "") + c.label for c in cands], rotation=75, ha="right", fontsize=7)
-    ax.set_ylabel("GiB at the peak")
+    ax.set_ylabel(f"{unit} at the peak")
     shown = (f"first {len(cands)} of {len(plan.candidates)} candidates" if len(cands) < len(plan.candidates)
              else f"all {len(cands)} candidates")
-    ax.set_title(f"memwrap plan: predicted peak by category (* = fits), ranked by predicted step time; {shown}")
+    ax.set_title(f"memwrap plan: predicted peak by category (* = fits), {plot_order(plan)}; {shown}")
     ax.legend(fontsize=7, loc="upper left", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
