@@ -89,6 +89,16 @@ class OptimizerSpec:
             (e.g. 32-bit state for embeddings); called by create/convert when a model is given.
         conversion_note: appended to the conversion warning when the meaning of a carried value
             differs (e.g. Adafactor's learning rate).
+        needs_model: the factory needs the model itself (GaLore/APOLLO pick target modules, LOMO hooks
+            every parameter): it is called as ``factory(params, model=model, **hyperparameters)`` and
+            building it without a model is refused.
+        updates_in_backward: parameters are updated during ``backward()`` (LOMO, layer-wise GaLore):
+            gradients cannot be accumulated, clipped or loss-scaled before the update, so ``wrap()``
+            refuses ``accumulate > 1``, ``max_grad_norm`` and fp16 with it.
+        trainer_kwargs: ``(hf_name, training_args) -> hyperparameters``: what Hugging Face ``Trainer``
+            passes to this optimizer for ``TrainingArguments(optim=hf_name)`` (learning rate, betas,
+            parsed ``optim_args``, ``optim_target_modules``), read duck-typed; raises ``ValueError``
+            naming ``optim_args`` keys that do not apply. None: not a Trainer optimizer.
     """
 
     name: str
@@ -107,6 +117,9 @@ class OptimizerSpec:
     bind_model: Callable[[torch.optim.Optimizer, nn.Module], None] | None = None
     conversion_note: str = ""
     description: str = ""
+    needs_model: bool = False
+    updates_in_backward: bool = False
+    trainer_kwargs: Callable[[str, Any], dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or _normalize(self.name) != self.name:
@@ -313,6 +326,15 @@ def _split_model(params, model):
     return params, model
 
 
+def _build(spec: OptimizerSpec, params, model: nn.Module | None, hyperparameters: dict) -> torch.optim.Optimizer:
+    if not spec.needs_model:
+        return spec.factory(params, **hyperparameters)
+    if model is None:
+        raise ValueError(f"optimizer {spec.name!r} needs the model, not only its parameters (it picks modules or hooks "
+                         f"parameters). Fix: memwrap.create_optimizer({spec.name!r}, model, ...) or pass model=model.")
+    return spec.factory(params, model=model, **hyperparameters)
+
+
 def create_optimizer(name: str, params, *, model: nn.Module | None = None, **hyperparameters) -> torch.optim.Optimizer:
     """Build the optimizer registered as ``name`` over ``params`` (tensors, groups, or a module).
 
@@ -325,7 +347,7 @@ def create_optimizer(name: str, params, *, model: nn.Module | None = None, **hyp
     spec = get_optimizer_spec(name)
     _require_available(spec)
     params, model = _split_model(params, model)
-    optimizer = spec.factory(params, **{**spec.defaults, **hyperparameters})
+    optimizer = _build(spec, params, model, {**spec.defaults, **hyperparameters})
     if model is not None and spec.bind_model is not None:
         spec.bind_model(optimizer, model)
     return optimizer
@@ -367,7 +389,7 @@ def convert_optimizer(optimizer: torch.optim.Optimizer, name: str, *, model: nn.
     # fused AdamW under mixed precision) survives when the target takes that flag.
     chosen = {k: optimizer.defaults[k] for k in ("fused", "foreach")
               if k in spec.carries and optimizer.defaults.get(k) is not None}
-    new_optimizer = spec.factory(groups, **{**spec.defaults, **chosen})
+    new_optimizer = _build(spec, groups, model, {**spec.defaults, **chosen})
     if model is not None and spec.bind_model is not None:
         spec.bind_model(new_optimizer, model)
     return new_optimizer
@@ -417,7 +439,10 @@ def measure_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
     def visit(value):
         nonlocal total
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
+            for inner in value.__tensor_flatten__()[0]:  # a wrapper subclass (torchao's 4/8-bit state): its parts
+                visit(getattr(value, inner))
+        elif isinstance(value, torch.Tensor):
             storage = value.untyped_storage()
             key = (value.device, storage.data_ptr(), storage.nbytes())
             if key not in seen:

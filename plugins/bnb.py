@@ -1,4 +1,9 @@
-"""Built-in plugin: bitsandbytes' 8-bit optimizers ``adamw_8bit``, ``paged_adamw_8bit``, ``lion_8bit``.
+"""Built-in plugin: bitsandbytes' optimizers under every Hugging Face name Trainer builds with it.
+
+AdamW (``adamw_8bit``/``adamw_bnb_8bit``, ``paged_adamw_8bit``, ``paged_adamw_32bit``), AdEMAMix
+(``ademamix``, ``ademamix_8bit``, ``paged_ademamix_32bit``, ``paged_ademamix_8bit``), Lion (``lion_8bit``,
+``lion_32bit``, ``paged_lion_8bit``, ``paged_lion_32bit``) and RMSprop (``rmsprop_bnb``/``rmsprop_bnb_32bit``,
+``rmsprop_bnb_8bit``). 32-bit variants keep float32 state whatever the parameter's dtype.
 
 bitsandbytes is imported only when one of these optimizers is built, never by ``import memwrap``.
 Block-wise 8-bit state: one byte per state value plus one float32 scale per 256 values; tensors
@@ -19,6 +24,8 @@ from torch import nn
 
 from memwrap.plugins import hookimpl
 from memwrap.registry import OptimizerSpec, OptimizerUnavailableError
+
+from ._common import adam_kwargs, strtobool, typed_optim_args
 
 INSTALL_HINT = 'bitsandbytes is not installed: pip install bitsandbytes  (or: pip install "memwrap[bnb]")'
 BLOCKSIZE = 256  # bitsandbytes' block-wise quantization: one float32 absmax per 256 values
@@ -68,28 +75,42 @@ def _is_8bit(param: torch.Tensor, module, min_8bit_size: int) -> bool:
     return not embedding and param.numel() >= min_8bit_size
 
 
-def _state_bytes(n_states: int):
+def _state_bytes(n_states: int, bits: int = 8):
     def state_bytes(param: torch.Tensor, module=None, *, min_8bit_size: int = 4096, **hp) -> int:
         n = param.numel()
-        if not _is_8bit(param, module, min_8bit_size):
+        if bits == 32 or not _is_8bit(param, module, min_8bit_size):
             return n_states * 4 * n  # float32 state whatever the parameter's dtype
         blocks = -(-n // BLOCKSIZE)
         return n_states * (n + 4 * blocks)
 
-    state_bytes.__doc__ = f"{n_states} block-wise 8-bit state(s) per parameter, 32-bit for small tensors and embeddings."
+    state_bytes.__doc__ = (f"{n_states} state value(s) per parameter: "
+                           + ("float32." if bits == 32 else "block-wise 8-bit, 32-bit for small tensors and embeddings."))
     return state_bytes
 
 
-def _shared_bytes(n_states: int):
+def _shared_bytes(n_maps: int):
     def shared(pairs, *, min_8bit_size: int = 4096, **hp) -> int:
-        return n_states * QMAP_BYTES if any(_is_8bit(p, m, min_8bit_size) for p, m in pairs) else 0
+        return n_maps * QMAP_BYTES if any(_is_8bit(p, m, min_8bit_size) for p, m in pairs) else 0
 
     return shared
 
 
-def _factory(class_name: str):
+def _refuse_cpu_matrices(class_name: str, params) -> None:
+    # bitsandbytes' CPU kernel for 32-bit AdEMAMix indexes its (2, n) state as if it had the parameter's shape and
+    # fails on any matrix (bitsandbytes 0.50); Trainer's optim="ademamix" fails the same way on CPU.
+    from ._common import tensors_of
+
+    if any(t.device.type == "cpu" and t.dim() > 1 for t in tensors_of(params)):
+        raise ValueError(f"bitsandbytes' {class_name} has no working CPU kernel for matrices (its 32-bit AdEMAMix CPU "
+                         "path fails on 2-D parameters). Fix: run it on a CUDA GPU, or use ademamix_8bit on CPU.")
+
+
+def _factory(class_name: str, cpu_matrices: bool = True):
     def factory(params, **hp) -> torch.optim.Optimizer:
         bnb = _bnb()
+        if not cpu_matrices:
+            params = list(params)
+            _refuse_cpu_matrices(class_name, params)
         optimizer = getattr(bnb.optim, class_name)(params, **hp)
         optimizer.mng = _private_manager(bnb)
         return optimizer
@@ -99,31 +120,89 @@ def _factory(class_name: str):
     return factory
 
 
+# -- what Trainer passes (transformers.trainer_optimizer._get_bitsandbytes_optimizer) ----------------------------
+
+def _adamw_kwargs(name: str, args) -> dict:
+    typed_optim_args(args, name, {})
+    return {"lr": args.learning_rate, **adam_kwargs(args)}
+
+
+def _lion_kwargs(name: str, args) -> dict:
+    typed_optim_args(args, name, {})
+    return {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2)}
+
+
+def _rmsprop_kwargs(name: str, args) -> dict:
+    # Trainer hands these strings to bitsandbytes unconverted (a float option then fails inside bitsandbytes);
+    # memwrap converts them as torch's rmsprop does.
+    typed = typed_optim_args(args, name, {"alpha": float, "eps": float, "weight_decay": float, "momentum": float,
+                                          "centered": strtobool})
+    return {"lr": args.learning_rate, **typed}
+
+
+def _ademamix_kwargs(name: str, args) -> dict:
+    given = typed_optim_args(args, name, {"beta1": float, "beta2": float, "beta3": float, "alpha": float, "eps": float,
+                                          "t_alpha": int, "t_beta3": int})
+    found = {"lr": args.learning_rate,
+             "betas": (given.get("beta1", args.adam_beta1), given.get("beta2", args.adam_beta2), given.get("beta3", 0.9999)),
+             "alpha": given.get("alpha", 5.0), "eps": given.get("eps", args.adam_epsilon)}
+    found.update({k: given[k] for k in ("t_alpha", "t_beta3") if k in given})
+    return found
+
+
 _COMMON = dict(available=available, bind_model=bind_embeddings_32bit, devices=_8BIT_DEVICES,
                runs_on_fake=False, scaler_ok=True)
+_ADAM_CARRIES = frozenset({"lr", "weight_decay", "betas", "eps"})
+_PAGED_NOTE = ("state in CUDA unified memory, evicted to CPU under pressure (on CPU bitsandbytes falls back to "
+               "ordinary state with a warning)")
+_LION_NOTE = ("Lion usually wants a learning rate 3-10x smaller and a weight decay 3-10x larger than AdamW; its betas "
+              "mean something else, so they take Lion's defaults (0.9, 0.99).")
 
-ADAMW_8BIT = OptimizerSpec(
-    name="adamw_8bit", aliases=("adamw_bnb_8bit", "bnb_adamw_8bit"), factory=_factory("AdamW8bit"),
-    state_bytes=_state_bytes(2), shared_state_bytes=_shared_bytes(2),
-    carries=frozenset({"lr", "weight_decay", "betas", "eps"}),
-    description="bitsandbytes AdamW8bit: about 2 bytes/param of state.", **_COMMON)
 
-PAGED_ADAMW_8BIT = OptimizerSpec(
-    name="paged_adamw_8bit", factory=_factory("PagedAdamW8bit"),
-    state_bytes=_state_bytes(2), shared_state_bytes=_shared_bytes(2), paged=True,
-    carries=frozenset({"lr", "weight_decay", "betas", "eps"}),
-    description="bitsandbytes PagedAdamW8bit: state in CUDA unified memory, evicted to CPU under pressure "
-                "(on CPU bitsandbytes falls back to ordinary state with a warning).", **_COMMON)
+def _spec(name: str, cls: str, n_states: int, n_maps: int, bits: int, trainer_kwargs, *, aliases=(), paged=False,
+          carries=_ADAM_CARRIES, note: str = "", what: str = "") -> OptimizerSpec:
+    per = f"about {n_states} byte(s)/param" if bits == 8 else f"{4 * n_states} bytes/param"
+    cpu_matrices = not (cls.endswith("AdEMAMix32bit"))
+    common = {**_COMMON, "devices": _8BIT_DEVICES if cpu_matrices else ("cuda", "xpu")}
+    return OptimizerSpec(
+        name=name, aliases=aliases, factory=_factory(cls, cpu_matrices), state_bytes=_state_bytes(n_states, bits),
+        shared_state_bytes=_shared_bytes(n_maps) if bits == 8 else None, paged=paged, carries=carries,
+        trainer_kwargs=trainer_kwargs, conversion_note=note,
+        description=f"bitsandbytes {cls}: {what}{per} of state" + (f"; {_PAGED_NOTE}." if paged else ".")
+                    + ("" if cpu_matrices else " GPU only (no CPU kernel for matrices)."), **common)
 
-LION_8BIT = OptimizerSpec(
-    name="lion_8bit", aliases=("bnb_lion_8bit",), factory=_factory("Lion8bit"),
-    state_bytes=_state_bytes(1), shared_state_bytes=_shared_bytes(1),
-    carries=frozenset({"lr", "weight_decay"}),
-    conversion_note="Lion usually wants a learning rate 3-10x smaller and a weight decay 3-10x larger than "
-                    "AdamW; its betas mean something else, so they take Lion's defaults (0.9, 0.99).",
-    description="bitsandbytes Lion8bit: one momentum, about 1 byte/param of state.", **_COMMON)
+
+ADAMW_8BIT = _spec("adamw_8bit", "AdamW8bit", 2, 2, 8, _adamw_kwargs, aliases=("adamw_bnb_8bit", "bnb_adamw_8bit"))
+PAGED_ADAMW_8BIT = _spec("paged_adamw_8bit", "PagedAdamW8bit", 2, 2, 8, _adamw_kwargs, paged=True)
+PAGED_ADAMW_32BIT = _spec("paged_adamw_32bit", "PagedAdamW32bit", 2, 0, 32, _adamw_kwargs, paged=True)
+
+# AdEMAMix keeps two EMAs of the gradient (fast and slow) and one of its square: three values per parameter.
+_ADEMAMIX = dict(carries=frozenset({"lr", "weight_decay"}),
+                 note="AdEMAMix's betas are three (fast EMA, second moment, slow EMA) and take its defaults.",
+                 what="two gradient EMAs and a second moment, ")
+ADEMAMIX = _spec("ademamix", "AdEMAMix32bit", 3, 0, 32, _ademamix_kwargs, aliases=("ademamix_32bit",), **_ADEMAMIX)
+ADEMAMIX_8BIT = _spec("ademamix_8bit", "AdEMAMix8bit", 3, 2, 8, _ademamix_kwargs, **_ADEMAMIX)
+PAGED_ADEMAMIX_32BIT = _spec("paged_ademamix_32bit", "PagedAdEMAMix32bit", 3, 0, 32, _ademamix_kwargs, paged=True,
+                             **_ADEMAMIX)
+PAGED_ADEMAMIX_8BIT = _spec("paged_ademamix_8bit", "PagedAdEMAMix8bit", 3, 2, 8, _ademamix_kwargs, paged=True,
+                            **_ADEMAMIX)
+
+_LION = dict(carries=frozenset({"lr", "weight_decay"}), note=_LION_NOTE, what="one momentum, ")
+LION_8BIT = _spec("lion_8bit", "Lion8bit", 1, 1, 8, _lion_kwargs, aliases=("bnb_lion_8bit",), **_LION)
+LION_32BIT = _spec("lion_32bit", "Lion32bit", 1, 0, 32, _lion_kwargs, **_LION)
+PAGED_LION_8BIT = _spec("paged_lion_8bit", "PagedLion8bit", 1, 1, 8, _lion_kwargs, paged=True, **_LION)
+PAGED_LION_32BIT = _spec("paged_lion_32bit", "PagedLion32bit", 1, 0, 32, _lion_kwargs, paged=True, **_LION)
+
+_RMSPROP = dict(carries=frozenset({"lr", "weight_decay", "eps", "alpha", "momentum", "centered"}),
+                what="one square average, ")
+RMSPROP_BNB = _spec("rmsprop_bnb", "RMSprop32bit", 1, 0, 32, _rmsprop_kwargs, aliases=("rmsprop_bnb_32bit",),
+                    **_RMSPROP)
+RMSPROP_BNB_8BIT = _spec("rmsprop_bnb_8bit", "RMSprop8bit", 1, 1, 8, _rmsprop_kwargs, **_RMSPROP)
+
+ALL = [ADAMW_8BIT, PAGED_ADAMW_8BIT, PAGED_ADAMW_32BIT, ADEMAMIX, ADEMAMIX_8BIT, PAGED_ADEMAMIX_32BIT,
+       PAGED_ADEMAMIX_8BIT, LION_8BIT, LION_32BIT, PAGED_LION_8BIT, PAGED_LION_32BIT, RMSPROP_BNB, RMSPROP_BNB_8BIT]
 
 
 @hookimpl
 def memwrap_optimizers():
-    return [ADAMW_8BIT, PAGED_ADAMW_8BIT, LION_8BIT]
+    return list(ALL)

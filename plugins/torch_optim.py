@@ -1,4 +1,10 @@
-"""Built-in plugin: ``adamw``, torch's AdamW with the fused kernel wherever the device has one.
+"""Built-in plugin: torch's own optimizers under their Hugging Face names.
+
+* ``adamw`` (``adamw_torch``, ``adamw_torch_fused``): AdamW with the fused kernel wherever the device has one;
+* ``sgd``, ``adagrad``, ``rmsprop``: ``torch.optim.SGD/Adagrad/RMSprop`` with Trainer's ``optim_args``;
+* ``adamw_torch_xla``, ``adamw_torch_npu_fused``: torch_xla's syncfree AdamW and torch_npu's fused AdamW,
+  usable only where that hardware and its torch extension are installed (otherwise unavailable,
+  with the reason).
 
 On CPU in torch 2.13 the fused kernel is several times faster than the default ``foreach`` one
 (see ``docs/benchmarks/optimizers.json``), and it needs no extra memory.
@@ -17,7 +23,9 @@ import torch
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from memwrap.plugins import hookimpl
-from memwrap.registry import OptimizerSpec, scalar_step_bytes
+from memwrap.registry import OptimizerSpec, OptimizerUnavailableError, scalar_step_bytes
+
+from ._common import adam_kwargs, module_available, strtobool, typed_optim_args
 
 
 def _tensors(params: list) -> list[torch.Tensor]:
@@ -55,6 +63,15 @@ def adamw_state_bytes(param: torch.Tensor, module=None, *, amsgrad: bool = False
     return moments * param.numel() * param.element_size() + scalar_step_bytes(fused)
 
 
+def _adamw_trainer_kwargs(name: str, args) -> dict:
+    """transformers' ``_get_adamw_torch``: lr, betas, eps (and fused=True for adamw_torch_fused)."""
+    typed_optim_args(args, name, {})
+    found = {"lr": args.learning_rate, **adam_kwargs(args)}
+    if name == "adamw_torch_fused":
+        found["fused"] = True
+    return found
+
+
 ADAMW = OptimizerSpec(
     name="adamw",
     aliases=("adamw_torch", "adamw_torch_fused", "adamw_hf", "torch_adamw"),
@@ -64,10 +81,94 @@ ADAMW = OptimizerSpec(
     fused=True,
     devices=tuple(_get_fused_kernels_supported_devices()),
     runs_on_fake=True,
+    trainer_kwargs=_adamw_trainer_kwargs,
     description="torch.optim.AdamW, fused kernel where the device supports it (8 bytes/param in fp32).",
 )
 
 
+# -- SGD, Adagrad, RMSprop: lr plus the optim_args keys transformers reads for each ---------------------------
+
+def _trainer_kwargs(accepted: dict):
+    def trainer_kwargs(name: str, args) -> dict:
+        return {"lr": args.learning_rate, **typed_optim_args(args, name, accepted)}
+
+    return trainer_kwargs
+
+
+def _adagrad_state_bytes(param: torch.Tensor, module=None, **hp) -> int:
+    """The ``sum`` accumulator in the parameter's dtype plus ``step``."""
+    return param.numel() * param.element_size() + scalar_step_bytes()
+
+
+def _sgd_state_bytes(param: torch.Tensor, module=None, *, momentum: float = 0, **hp) -> int:
+    """A momentum buffer in the parameter's dtype when momentum != 0, else nothing."""
+    return param.numel() * param.element_size() if momentum else 0
+
+
+_FLOAT = float
+SGD = OptimizerSpec(
+    name="sgd", factory=torch.optim.SGD, state_bytes=_sgd_state_bytes,
+    carries=frozenset({"lr", "weight_decay", "momentum", "dampening", "nesterov", "maximize", "foreach"}),
+    trainer_kwargs=_trainer_kwargs({"momentum": _FLOAT, "dampening": _FLOAT, "weight_decay": _FLOAT,
+                                    "nesterov": strtobool}),
+    description="torch.optim.SGD (momentum buffer only with momentum > 0).")
+
+ADAGRAD = OptimizerSpec(
+    name="adagrad", factory=torch.optim.Adagrad, state_bytes=_adagrad_state_bytes,
+    carries=frozenset({"lr", "weight_decay", "eps", "lr_decay", "initial_accumulator_value", "maximize"}),
+    trainer_kwargs=_trainer_kwargs({"lr_decay": _FLOAT, "weight_decay": _FLOAT, "eps": _FLOAT}),
+    description="torch.optim.Adagrad: one accumulator (4 bytes/param in fp32).")
+
+
+def _rmsprop_state_bytes(param: torch.Tensor, module=None, *, momentum: float = 0, centered: bool = False,
+                         **hp) -> int:
+    """square_avg, plus momentum_buffer (momentum > 0) and grad_avg (centered), plus ``step``."""
+    values = 1 + (1 if momentum else 0) + (1 if centered else 0)
+    return values * param.numel() * param.element_size() + scalar_step_bytes()
+
+
+RMSPROP = OptimizerSpec(
+    name="rmsprop", factory=torch.optim.RMSprop, state_bytes=_rmsprop_state_bytes,
+    carries=frozenset({"lr", "weight_decay", "eps", "alpha", "momentum", "centered", "maximize", "foreach"}),
+    trainer_kwargs=_trainer_kwargs({"momentum": _FLOAT, "alpha": _FLOAT, "eps": _FLOAT, "weight_decay": _FLOAT,
+                                    "centered": strtobool}),
+    description="torch.optim.RMSprop: square average (+ momentum, + centered average).")
+
+
+# -- accelerator-specific AdamW kernels: real where their hardware is --------------------------------------
+
+def _hardware_optimizer(name: str, module: str, attr: str, package: str, device: str):
+    probe = module_available(package, package, "")
+    hint = (f"optimizer {name!r} runs only on {device} hardware with {package} installed, and this machine has "
+            f"neither; Trainer itself fails the same way. Fix: optim='adamw_torch' (or 'adamw_torch_fused') here, "
+            f"or run on a {device} host with {package}.")
+
+    def available() -> tuple[bool, str]:
+        return probe()[0], hint
+
+    def factory(params, **hp) -> torch.optim.Optimizer:
+        import importlib
+
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except ImportError as exc:
+            raise OptimizerUnavailableError(f"{hint} ({exc})") from exc
+        return cls(params, **hp)
+
+    def state_bytes(param: torch.Tensor, module=None, **hp) -> int:
+        """exp_avg and exp_avg_sq in the parameter's dtype plus a step counter (as torch's AdamW)."""
+        return 2 * param.numel() * param.element_size() + scalar_step_bytes()
+
+    return OptimizerSpec(name=name, factory=factory, state_bytes=state_bytes, available=available,
+                         devices=(device,), runs_on_fake=False, trainer_kwargs=_adamw_trainer_kwargs,
+                         carries=frozenset({"lr", "weight_decay", "betas", "eps"}),
+                         description=f"{package}'s {attr} (needs {device} hardware).")
+
+
+ADAMW_XLA = _hardware_optimizer("adamw_torch_xla", "torch_xla.amp.syncfree", "AdamW", "torch_xla", "xla")
+ADAMW_NPU = _hardware_optimizer("adamw_torch_npu_fused", "torch_npu.optim", "NpuFusedAdamW", "torch_npu", "npu")
+
+
 @hookimpl
 def memwrap_optimizers():
-    return [ADAMW]
+    return [ADAMW, SGD, ADAGRAD, RMSPROP, ADAMW_XLA, ADAMW_NPU]

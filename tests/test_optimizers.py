@@ -24,7 +24,7 @@ except ImportError:
 needs_bnb = pytest.mark.skipif(bnb is None, reason="bitsandbytes not installed (pip install bitsandbytes)")
 
 BNB_NAMES = {"adamw_8bit", "paged_adamw_8bit", "lion_8bit"}
-BUILTINS = ["adamw", "adamw_8bit", "paged_adamw_8bit", "lion_8bit", "adafactor"]
+BUILTINS = ["adamw", "adamw_8bit", "paged_adamw_8bit", "lion_8bit", "adafactor", "torch_adafactor"]
 # As parameters: the 8-bit ones skip without bitsandbytes, the others always run.
 BUILTIN_PARAMS = [pytest.param(n, marks=needs_bnb) if n in BNB_NAMES else n for n in BUILTINS]
 AVAILABLE = [n for n in BUILTINS if bnb is not None or n not in BNB_NAMES]
@@ -274,16 +274,16 @@ def test_spec_flags_describe_the_builtins():
     specs = {n: get_optimizer_spec(n) for n in BUILTINS}
     assert specs["adamw"].fused and specs["paged_adamw_8bit"].paged and not specs["adamw_8bit"].paged
     assert specs["adamw"].runs_on_fake and not specs["adamw_8bit"].runs_on_fake
-    assert not specs["adafactor"].runs_on_fake  # its step needs values (.item()); the kit proves it
+    assert not specs["torch_adafactor"].runs_on_fake  # its step needs values (.item()); the kit proves it
     with pytest.raises(AssertionError, match=r"\[fake\]"):
         import dataclasses
         from unittest import mock
 
         from memwrap import registry
 
-        lying = dataclasses.replace(specs["adafactor"], runs_on_fake=True)
+        lying = dataclasses.replace(specs["torch_adafactor"], runs_on_fake=True)
         with mock.patch.object(registry, "get_optimizer_spec", lambda name: lying):
-            check_optimizer("adafactor", checks=("fake",))
+            check_optimizer("torch_adafactor", checks=("fake",))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

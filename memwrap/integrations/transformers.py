@@ -31,26 +31,19 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["memwrap_trainer_kwargs", "memwrap_optimizer_class", "wrap_options", "checkpoint_report"]
+__all__ = ["memwrap_trainer_kwargs", "memwrap_optimizer_class", "wrap_options", "checkpoint_report",
+           "trainer_hyperparameters"]
 
-# Trainer's optim strings whose optimizer memwrap builds with the same maths and the same hyperparameters
-# (see transformers.trainer_optimizer): HF name -> (memwrap optimizer, extra keyword Trainer passes).
-# Only these are taken over from args.optim; for any other Trainer keeps its own optimizer.
-_SAME_AS_TRAINER: dict[str, tuple[str, dict[str, Any]]] = {
-    "adamw_torch": ("adamw", {}),  # memwrap may pick the fused kernel: same maths, rounding-level differences
-    "adamw_torch_fused": ("adamw", {"fused": True}),
-    "adamw_bnb_8bit": ("adamw_8bit", {}),
-    "adamw_8bit": ("adamw_8bit", {}),
-    "paged_adamw_8bit": ("paged_adamw_8bit", {}),
-    "lion_8bit": ("lion_8bit", {}),
+# Every optimizer plugin that declares ``trainer_kwargs`` builds Trainer's optimizer for its Hugging Face names with
+# Trainer's hyperparameters (tests/test_hf_optimizers.py compares each against Trainer's own); those names are taken
+# over from args.optim. These are not, and why (Trainer keeps its own):
+_NOT_TAKEN_OVER = {
+    "adamw_anyprecision": "torchdistx's AnyPrecisionAdamW (not installable from PyPI; Trainer fails on it)",
 }
-# memwrap optimizers that Trainer's counterparts get (adam_beta1, adam_beta2) for: for Lion too, where memwrap's
-# own default would be (0.9, 0.99).
-_TRAINER_BETAS = frozenset({"adamw", "adamw_8bit", "paged_adamw_8bit", "lion_8bit"})
-# What Trainer builds for HF names that memwrap also accepts but with other maths, for the warnings.
+# What Trainer builds under the HF name closest to a memwrap-only optimizer, for the warnings.
 _TRAINER_MEANING = {
-    "adafactor": "transformers.Adafactor(scale_parameter=False, relative_step=False), whose lr is an absolute "
-                 "step size",
+    "torch_adafactor": ("adafactor", "transformers.Adafactor(scale_parameter=False, relative_step=False), whose lr is "
+                                     "an absolute step size"),
 }
 
 # TrainingArguments fields a plain loop must apply itself, by where they go; wrap() reads only HF_ALIASES.
@@ -105,10 +98,25 @@ def memwrap_optimizer_class(optim: str, model: nn.Module | None = None) -> type[
     return MemwrapOptimizer
 
 
-def _hyperparameters(spec: Any, args: Any) -> dict[str, Any]:
-    """The hyperparameters Trainer itself would pass to ``spec``'s optimizer (weight decay lives in the groups)."""
+def trainer_hyperparameters(args: Any, optim: str | None = None) -> dict[str, Any]:
+    """The hyperparameters Trainer passes to its optimizer for ``optim`` (default ``args.optim``).
+
+    Learning rate, Adam betas/eps where Trainer passes them, parsed ``optim_args`` (keys that do not
+    apply to the optimizer raise ``ValueError``) and ``optim_target_modules``; weight decay stays in
+    the param groups, as in Trainer. For a plain loop with Trainer's optimizer:
+
+    Example:
+        >>> opt = memwrap.create_optimizer(args.optim, model, **trainer_hyperparameters(args))  # doctest: +SKIP
+    """
+    from memwrap.registry import get_optimizer_spec
+
+    name = _key(optim if optim is not None else getattr(args, "optim", None))
+    spec = get_optimizer_spec(name)
+    if spec.trainer_kwargs is not None:
+        return dict(spec.trainer_kwargs(name, args))
+    # A plugin that does not say how Trainer builds it: the learning rate, and Adam's betas/eps where it takes them.
     found: dict[str, Any] = {"lr": args.learning_rate}
-    if (spec.name in _TRAINER_BETAS or "betas" in spec.carries) and hasattr(args, "adam_beta1"):
+    if "betas" in spec.carries and hasattr(args, "adam_beta1"):
         found["betas"] = (args.adam_beta1, args.adam_beta2)
     if "eps" in spec.carries and hasattr(args, "adam_epsilon"):
         found["eps"] = args.adam_epsilon
@@ -123,29 +131,24 @@ def _key(name: Any) -> str:
     return str(_plain(name)).strip().lower().replace("-", "_")  # as the registry normalizes names
 
 
-def _trainer_equivalent(args: Any) -> tuple[Any, dict[str, Any]] | None:
-    """memwrap's spec and extra keywords for ``args.optim`` when memwrap reproduces Trainer's optimizer exactly."""
-    from memwrap.registry import UnknownOptimizerError, get_optimizer_spec
-
-    target = _SAME_AS_TRAINER.get(_key(getattr(args, "optim", None)))
-    if target is None:
-        return None
-    try:
-        return get_optimizer_spec(target[0]), dict(target[1])
-    except UnknownOptimizerError:  # its plugin is blocked: Trainer can still build its own
-        return None
-
-
-def _keep_trainer_optimizer_warning(args: Any, checkpointing: bool) -> None:
+def _trainer_equivalent(args: Any) -> Any:
+    """memwrap's spec for ``args.optim`` when memwrap builds Trainer's optimizer for it, else None."""
     from memwrap.registry import UnknownOptimizerError, get_optimizer_spec
 
     name = _key(getattr(args, "optim", None))
+    if name in _NOT_TAKEN_OVER:
+        return None
     try:
         spec = get_optimizer_spec(name)
-        why = (f"Trainer's is {_TRAINER_MEANING.get(name, 'built differently')}, while memwrap's {spec.name!r} is "
-               f"{(spec.description or 'another optimizer').rstrip('.')}")
-    except UnknownOptimizerError:
-        why = "memwrap has no optimizer that reproduces it exactly"
+    except UnknownOptimizerError:  # its plugin is blocked or missing: Trainer can still build its own
+        return None
+    return spec if spec.trainer_kwargs is not None else None
+
+
+def _keep_trainer_optimizer_warning(args: Any, checkpointing: bool) -> None:
+    name = _key(getattr(args, "optim", None))
+    why = (f"Trainer's is {_NOT_TAKEN_OVER[name]}" if name in _NOT_TAKEN_OVER
+           else "memwrap has no optimizer that reproduces it exactly")
     warnings.warn(
         f"Trainer keeps its own optimizer for TrainingArguments(optim={name!r})"
         f"{' and memwrap only applies checkpointing' if checkpointing else ''}: {why}. To use a memwrap optimizer "
@@ -157,11 +160,16 @@ def _differs_from_trainer(optim: str, spec: Any, args: Any) -> None:
     from memwrap.registry import ConversionWarning
 
     name = _key(optim)
-    if name in _SAME_AS_TRAINER or spec.name in _TRAINER_BETAS:
-        return  # built exactly as Trainer builds that family
-    if name not in _TRAINER_MEANING and not spec.conversion_note:
+    if spec.trainer_kwargs is not None and name not in _NOT_TAKEN_OVER:
+        return  # built exactly as Trainer builds that name
+    if name not in _TRAINER_MEANING and name not in _NOT_TAKEN_OVER and not spec.conversion_note:
         return
-    trainer = f" Trainer's own optim={name!r} is {_TRAINER_MEANING[name]}." if name in _TRAINER_MEANING else ""
+    if name in _TRAINER_MEANING:
+        trainer = f" Trainer's own optim={_TRAINER_MEANING[name][0]!r} is {_TRAINER_MEANING[name][1]}."
+    elif name in _NOT_TAKEN_OVER:
+        trainer = f" Trainer's own optim={name!r} is {_NOT_TAKEN_OVER[name]}."
+    else:
+        trainer = ""
     warnings.warn(
         f"optim={optim!r} builds memwrap's {spec.name!r} ({(spec.description or spec.name).rstrip('.')}) with "
         f"lr=learning_rate={args.learning_rate!r}.{trainer} {spec.conversion_note}".rstrip(),
@@ -232,11 +240,11 @@ def _optimizer_kwargs(model: nn.Module, args: Any, optim: str | None, checkpoint
 
     if optim is not None:
         spec = get_optimizer_spec(optim)
-        extra = dict(_SAME_AS_TRAINER.get(_key(optim), (None, {}))[1])
+        name = _key(optim)
         _differs_from_trainer(optim, spec, args)
     else:
-        found = _trainer_equivalent(args)
-        if found is None:
+        spec = _trainer_equivalent(args)
+        if spec is None:
             if overrides:  # they were meant for memwrap's optimizer, which is not built: never drop them silently
                 raise TypeError(
                     f"optimizer keyword arguments {sorted(overrides)} were given, but Trainer keeps its own optimizer "
@@ -244,11 +252,14 @@ def _optimizer_kwargs(model: nn.Module, args: Any, optim: str | None, checkpoint
                     "optimizer, or set them in TrainingArguments (optim_args).")
             _keep_trainer_optimizer_warning(args, checkpoint not in (None, False))
             return {}
-        spec, extra = found
+        name = _key(args.optim)
     ok, hint = spec.available()
     if not ok:  # fail before Trainer's setup, not at its first step
         raise OptimizerUnavailableError(f"optimizer {spec.name!r} is not available: {hint}")
-    hyperparameters = {**_hyperparameters(spec, args), **extra, **overrides}
+    hyperparameters = {**trainer_hyperparameters(args, name), **overrides}
+    if spec.needs_model:
+        # Trainer hands a "model" keyword to the optimizer in place of its param groups, as for its own GaLore/LOMO.
+        hyperparameters["model"] = model
     return {"optimizer_cls_and_kwargs": (memwrap_optimizer_class(spec.name, model), hyperparameters)}
 
 

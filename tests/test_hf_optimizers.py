@@ -1,0 +1,425 @@
+"""Every Hugging Face ``TrainingArguments.optim`` name as a memwrap optimizer, against Trainer's own optimizer.
+
+The reference is transformers itself: ``Trainer.create_optimizer()`` with the stock ``TrainingArguments``
+builds Trainer's optimizer, and the same call with ``memwrap_trainer_kwargs(model, args)`` builds memwrap's.
+Trainer's is driven as Trainer drives it (``optimizer.train()``, LOMO's ``fused_backward``), memwrap's by
+the unchanged loop (``loss.backward(); optimizer.step(); optimizer.zero_grad()``); the parameters must match.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memwrap
+from memwrap.registry import OptimizerUnavailableError, create_optimizer, get_optimizer_spec, predict_state_bytes
+from memwrap.testing import check_optimizer
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed")
+from tests.hf_helpers import hf_args  # noqa: E402
+
+HF_NAMES = (
+    "adamw_torch adamw_torch_fused adamw_torch_xla adamw_torch_npu_fused adafactor adamw_anyprecision adamw_torch_4bit "
+    "adamw_torch_8bit ademamix sgd adagrad adamw_bnb_8bit adamw_8bit ademamix_8bit lion_8bit lion_32bit "
+    "paged_adamw_32bit paged_adamw_8bit paged_ademamix_32bit paged_ademamix_8bit paged_lion_32bit paged_lion_8bit "
+    "rmsprop rmsprop_bnb rmsprop_bnb_8bit rmsprop_bnb_32bit galore_adamw galore_adamw_8bit galore_adafactor "
+    "galore_adamw_layerwise galore_adamw_8bit_layerwise galore_adafactor_layerwise lomo adalomo grokadamw "
+    "schedule_free_radam schedule_free_adamw schedule_free_sgd apollo_adamw apollo_adamw_layerwise stable_adamw"
+).split()
+HARDWARE = {"adamw_torch_xla": "xla", "adamw_torch_npu_fused": "npu"}
+# Kernels that need CUDA (galore-torch's 8-bit path, lomo-optim's AdaLomo state, bitsandbytes' 32-bit AdEMAMix on
+# matrices): tested on a GPU (benchmarks/gpu_check.py has their row), refused with the fix on CPU.
+CUDA_ONLY = {"adalomo", "galore_adamw_8bit", "galore_adamw_8bit_layerwise", "ademamix", "paged_ademamix_32bit"}
+SLOW = {"adamw_torch_4bit", "adamw_torch_8bit"}  # torchao compiles its step: tens of seconds on CPU
+# memwrap picks torch's fused AdamW kernel where Trainer's adamw_torch takes foreach: same maths, other rounding.
+TOLERANCE = {"adamw_torch": dict(rtol=1e-5, atol=1e-6)}
+EXACT = dict(rtol=0, atol=0)
+LOW_RANK = dict(optim_target_modules=["q_proj", "up"], optim_args="rank=4,update_proj_gap=2")
+
+
+def _param(name, *extra_marks):
+    marks = list(extra_marks)
+    if name in CUDA_ONLY:
+        marks.append(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (see benchmarks/gpu_check.py)"))
+    if name in SLOW:
+        marks.append(pytest.mark.slow)
+    return pytest.param(name, marks=marks, id=name)
+
+
+@pytest.fixture(autouse=True)
+def quiet_and_clean():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        yield
+    if "bitsandbytes" in sys.modules:  # Trainer registers embedding overrides in bitsandbytes' process-wide manager
+        sys.modules["bitsandbytes"].optim.GlobalOptimManager.get_instance().initialize()
+
+
+class Tiny(nn.Module):
+    """An embedding, a norm and linears named like a transformer's; two weights reach 8-bit state (>= 4096 values)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(64, 64)
+        self.q_proj = nn.Linear(64, 64)
+        self.up = nn.Linear(64, 96, bias=False)
+        self.down = nn.Linear(96, 64)
+        self.norm = nn.LayerNorm(64)
+        self.head = nn.Linear(64, 64)
+
+    def forward(self, input_ids, labels=None):
+        h = self.embed(input_ids)
+        h = h + self.q_proj(h)
+        h = h + self.down(torch.tanh(self.up(h)))
+        logits = self.head(self.norm(h))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+BATCHES = [torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+# Schedule-free RAdam's first steps have a zero step size (its "silent SGD phase"): more steps, so that weights move.
+STEPS = {"schedule_free_radam": 6}
+
+
+def _trainer_optimizer(tmp_path, name, use_memwrap, **args_kw):
+    from transformers import Trainer
+
+    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+
+    model = Tiny()
+    args = hf_args(tmp_path, optim=name, learning_rate=1e-2, gradient_accumulation_steps=1, **args_kw)
+    extra = memwrap_trainer_kwargs(model, args) if use_memwrap else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = Trainer(model=model, args=args, **extra)
+        return model, trainer.create_optimizer(), args
+
+
+def _batches(steps):
+    return [torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(i)) for i in range(steps)]
+
+
+def _drive_like_trainer(model, opt, args, steps=3):
+    """What Trainer does each step: optimizer.train(), backward (LOMO: fused_backward), step, zero_grad."""
+    lomo = type(opt).__module__.startswith("lomo_optim")
+    for ids in _batches(steps):
+        model.train()
+        if hasattr(opt, "train") and callable(opt.train):
+            opt.train()
+        loss = model(ids, labels=ids)
+        if lomo:
+            opt.fused_backward(loss, args.learning_rate)  # accelerate's lomo_backward; its step() is then a no-op
+        else:
+            loss.backward()
+            opt.step()
+        model.zero_grad()
+    model.eval()
+    if hasattr(opt, "eval") and callable(opt.eval):
+        opt.eval()  # as Trainer's evaluation loop does
+
+
+def _drive_plain_loop(model, opt, steps=3):
+    """The user's unchanged loop; model.eval() and a forward at the end (schedule-free must follow the model)."""
+    for ids in _batches(steps):
+        model.train()
+        loss = model(ids, labels=ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        model(BATCHES[0], labels=BATCHES[0])
+
+
+def _no_triton_on_cpu(monkeypatch, name):
+    """optimi 0.3 picks its Triton kernel for CPU tensors whenever Triton is installed (it decides on an empty list)
+    and then fails, so Trainer's own stable_adamw cannot step on CPU. Only that kernel choice is changed for the
+    reference; memwrap passes triton=False off-GPU itself."""
+    if name == "stable_adamw" and not torch.cuda.is_available():
+        import importlib
+
+        monkeypatch.setattr(importlib.import_module("optimi.stableadamw"), "_default_to_triton", lambda params: False)
+
+
+def _args_for(name):
+    return dict(LOW_RANK) if name.startswith(("galore", "apollo")) else {}
+
+
+TRAINER_NAMES = [n for n in HF_NAMES if n not in HARDWARE and n not in {"adamw_anyprecision"}]
+
+
+@pytest.mark.parametrize("name", [_param(n) for n in TRAINER_NAMES])
+def test_memwrap_builds_trainers_optimizer_with_the_same_maths(tmp_path, monkeypatch, name):
+    """Trainer's optimizer driven by Trainer's protocol == memwrap's (taken over from args.optim) in a plain loop."""
+    kw = dict(_args_for(name), weight_decay=0.1)
+    _no_triton_on_cpu(monkeypatch, name)
+    ours, our_opt, _ = _trainer_optimizer(tmp_path / "m", name, True, **kw)
+    assert type(our_opt).__name__.startswith(("MemwrapOptimizer",)) is False  # a real optimizer, not the stand-in
+    if name == "galore_adafactor_layerwise":
+        # transformers 5 cannot build this one (it sets relative_step=False after building the per-parameter
+        # optimizers): its maths is galore_adafactor's, stepped one parameter at a time.
+        with pytest.raises(ValueError, match="relative_step"):
+            _trainer_optimizer(tmp_path / "t0", name, False, **kw)
+        theirs, their_opt, args = _trainer_optimizer(tmp_path / "t", "galore_adafactor", False, **kw)
+    else:
+        theirs, their_opt, args = _trainer_optimizer(tmp_path / "t", name, False, **kw)
+    _drive_like_trainer(theirs, their_opt, args, STEPS.get(name, 3))
+    _drive_plain_loop(ours, our_opt, STEPS.get(name, 3))
+    tolerance = TOLERANCE.get(name, EXACT)
+    changed = False
+    for (pname, p), q, start in zip(ours.named_parameters(), theirs.parameters(), Tiny().parameters(), strict=True):
+        torch.testing.assert_close(p, q, msg=f"{name}: {pname}", **tolerance)
+        changed |= not torch.equal(p, start)
+    assert changed, f"{name}: three steps changed nothing; the comparison would prove nothing"
+
+
+# Trainer's optim_args strings, parsed by memwrap as Trainer parses them (non-default values each).
+OPTIM_ARGS = [
+    ("sgd", "momentum=0.9,nesterov=True,dampening=0"),
+    ("adagrad", "lr_decay=0.01,eps=1e-6"),
+    ("rmsprop", "momentum=0.5,centered=True,alpha=0.9"),
+    ("ademamix_8bit", "beta3=0.999,alpha=4.0,t_alpha=10,t_beta3=10"),
+    ("grokadamw", "lamb=1.5,alpha_init=0.9,gradient_clipping=0.5"),
+    ("schedule_free_adamw", "weight_lr_power=1.5,r=0.5"),
+    ("schedule_free_sgd", "weight_lr_power=1.0"),
+    ("stable_adamw", "max_lr=0.02"),
+    ("apollo_adamw", "rank=2,scale=2.0,scale_type=tensor,update_proj_gap=1"),
+    ("galore_adamw", "rank=2,scale=0.5,proj_type=left,update_proj_gap=1"),
+]
+
+
+@pytest.mark.parametrize("name,optim_args", OPTIM_ARGS, ids=[n for n, _ in OPTIM_ARGS])
+def test_optim_args_strings_mean_what_they_mean_to_trainer(tmp_path, monkeypatch, name, optim_args):
+    _no_triton_on_cpu(monkeypatch, name)
+    kw = {**_args_for(name), "optim_args": optim_args, "adam_beta1": 0.8, "warmup_steps": 2}
+    ours, our_opt, _ = _trainer_optimizer(tmp_path / "m", name, True, **kw)
+    theirs, their_opt, args = _trainer_optimizer(tmp_path / "t", name, False, **kw)
+    _drive_like_trainer(theirs, their_opt, args)
+    _drive_plain_loop(ours, our_opt)
+    for (pname, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(p, q, msg=f"{name}: {pname}", **EXACT)
+
+
+def test_trainer_hyperparameters_feed_create_optimizer_for_a_plain_loop(tmp_path):
+    """The plain-loop route: create_optimizer(args.optim, model, **trainer_hyperparameters(args)) == Trainer's."""
+    from memwrap.integrations.transformers import trainer_hyperparameters
+
+    args = hf_args(tmp_path, optim="galore_adamw", learning_rate=1e-2, weight_decay=0.0, **LOW_RANK)
+    model = Tiny()
+    opt = memwrap.create_optimizer(args.optim, model, **trainer_hyperparameters(args))
+    theirs, their_opt, _ = _trainer_optimizer(tmp_path / "t", "galore_adamw", False, weight_decay=0.0, **LOW_RANK)
+    _drive_like_trainer(theirs, their_opt, args)
+    _drive_plain_loop(model, opt)
+    for p, q in zip(model.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(p, q, **EXACT)
+
+
+def test_adamw_anyprecision_is_optimi_adamw_matching_torch_adamw(tmp_path):
+    """Trainer cannot build it (torchdistx has no PyPI release); memwrap's stand-in has AnyPrecision's fp32 maths."""
+    from transformers import Trainer
+
+    args = hf_args(tmp_path, optim="adamw_anyprecision")
+    with pytest.raises(ValueError, match="torchdistx"):
+        Trainer.get_optimizer_cls_and_kwargs(args, Tiny())
+    ours, reference = Tiny(), Tiny()
+    opt = create_optimizer("adamw_anyprecision", ours, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    ref = torch.optim.AdamW(reference.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    _drive_plain_loop(ours, opt)
+    _drive_plain_loop(reference, ref)
+    for p, q in zip(ours.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)  # optimi's debiased-beta form: rounding differs
+    with pytest.raises(ValueError, match="momentum_dtype.*Fix"):
+        create_optimizer("adamw_anyprecision", Tiny(), lr=1e-3, momentum_dtype="bfloat16")
+
+
+# --- resolution: create_optimizer, wrap(optim=...), options_from(args) ---------------------------------------------
+
+def test_the_names_are_transformers_own():
+    from transformers.training_args import OptimizerNames
+
+    assert sorted(n.value for n in OptimizerNames) == sorted(HF_NAMES)
+
+
+@pytest.mark.parametrize("name", HF_NAMES)
+def test_every_name_resolves_through_options_from_and_wrap_checks(tmp_path, name):
+    from memwrap.config import parse_options
+
+    spec = get_optimizer_spec(name)
+    from transformers import TrainingArguments
+
+    options = memwrap.options_from(hf_args(tmp_path, optim=name, gradient_accumulation_steps=1))
+    if name == TrainingArguments.optim:  # Trainer's default only means "AdamW": options_from leaves the optimizer be
+        assert "optim" not in options
+    else:
+        assert options["optim"] == name
+    assert parse_options(**{**options, "optim": name}).optim == name
+    assert spec.trainer_kwargs is not None  # memwrap knows how Trainer builds it
+    listed = {n for row in memwrap.optimizers() for n in (row.name, *row.aliases)}
+    assert name in listed
+
+
+@pytest.mark.parametrize("name", ["sgd", "adafactor", "schedule_free_adamw", "lomo", "stable_adamw"])
+def test_wrap_optim_converts_to_each_kind(name):
+    model = Tiny()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wmodel, wopt = memwrap.wrap(model, optimizer, optim=name)
+    before = [p.detach().clone() for p in model.parameters()]
+    for ids in BATCHES:
+        wmodel(ids, labels=ids).backward()
+        wopt.step()
+        wopt.zero_grad()
+    assert wopt.updates == len(BATCHES)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("name,device", sorted(HARDWARE.items()))
+def test_hardware_names_say_why_they_are_unavailable(name, device):
+    ok, hint = get_optimizer_spec(name).available()
+    assert not ok and f"{device} hardware" in hint and "adamw_torch" in hint
+    with pytest.raises(OptimizerUnavailableError, match=f"{device} hardware.*Fix"):
+        create_optimizer(name, Tiny().parameters(), lr=1e-3)
+
+
+# --- bad input -----------------------------------------------------------------------------------------------------
+
+def test_optim_args_that_do_not_apply_are_refused_with_the_keys_that_do(tmp_path):
+    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+
+    args = hf_args(tmp_path, optim="sgd", optim_args="momentun=0.9")
+    with pytest.raises(ValueError, match=r"\['momentun'\] do not apply to optim='sgd'.*dampening, momentum, nesterov"):
+        memwrap_trainer_kwargs(Tiny(), args)
+    with pytest.raises(ValueError, match="optim_args momentum='fast'"):
+        memwrap_trainer_kwargs(Tiny(), hf_args(tmp_path, optim="sgd", optim_args="momentum=fast"))
+
+
+@pytest.mark.parametrize("name", ["galore_adamw", "apollo_adamw_layerwise"])
+def test_low_rank_without_target_modules_names_the_fix(tmp_path, name):
+    with pytest.raises(ValueError, match="needs target modules.*Fix: target_modules=.*optim_target_modules"):
+        create_optimizer(name, Tiny(), lr=1e-3)
+    with pytest.raises(ValueError, match="no nn.Linear layer of the model matches"):
+        create_optimizer(name, Tiny(), lr=1e-3, target_modules=["attention"])
+    with pytest.raises(ValueError, match="needs the model"):
+        create_optimizer(name, Tiny().parameters(), lr=1e-3, target_modules="all-linear")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for CPU runs")
+@pytest.mark.parametrize("name", ["adalomo", "galore_adamw_8bit", "ademamix"])
+def test_gpu_only_optimizers_on_a_cpu_run_name_the_fix(name):
+    kw = {"target_modules": "all-linear"} if name.startswith("galore") else {}
+    with pytest.raises(ValueError, match="Fix") as err:
+        create_optimizer(name, Tiny(), lr=1e-3, **kw)
+    assert "CUDA" in str(err.value) or "GPU" in str(err.value)
+
+
+@pytest.mark.parametrize("options", [dict(accumulate=2), dict(max_grad_norm=1.0), dict(precision="fp16")],
+                         ids=["accumulate", "clip", "fp16"])
+@pytest.mark.parametrize("name", ["lomo", "galore_adamw_layerwise"])
+def test_updates_in_backward_refuse_what_they_cannot_do(name, options):
+    model = Tiny()
+    kw = {"target_modules": "all-linear", "rank": 4} if name.startswith("galore") else {}
+    with pytest.raises(ValueError, match="updates each parameter inside backward.*Fix"):
+        memwrap.wrap(model, create_optimizer(name, model, lr=1e-3, **kw), **options)
+    with pytest.raises(ValueError, match="inside backward.*Fix"):
+        memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=1e-3), optim=name, **options)
+
+
+def test_a_missing_library_gives_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "galore_torch", None)
+    ok, hint = get_optimizer_spec("galore_adamw").available()
+    assert not ok and 'pip install "memwrap[galore]"' in hint
+    with pytest.raises(OptimizerUnavailableError, match=r'pip install "memwrap\[galore\]"'):
+        create_optimizer("galore_adamw", Tiny(), lr=1e-3, target_modules="all-linear")
+
+
+def test_layerwise_gradient_accumulation_is_refused_like_trainer(tmp_path):
+    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+
+    args = hf_args(tmp_path, optim="galore_adamw_layerwise", gradient_accumulation_steps=2, **LOW_RANK)
+    with pytest.raises(ValueError, match="cannot accumulate.*Fix: set it to 1"):
+        memwrap_trainer_kwargs(Tiny(), args)
+
+
+# --- what the plugins add: modes, layer-wise scheduling, state --------------------------------------------------------
+
+def test_schedule_free_follows_the_models_mode():
+    model = Tiny()
+    opt = create_optimizer("schedule_free_adamw", model, lr=1e-2)
+    ids = BATCHES[0]
+    for _ in range(2):  # after one step the averaged x still equals y
+        model.train()
+        model(ids, labels=ids).backward()
+        opt.step()  # would raise "not in train mode" without the hook
+        opt.zero_grad()
+    trained = [p.detach().clone() for p in model.parameters()]
+    model.eval()
+    model(ids, labels=ids)
+    assert opt.param_groups[0]["train_mode"] is False
+    assert any(not torch.equal(a, b) for a, b in zip(trained, model.parameters()))  # x, not y, for evaluation
+    model.train()
+    model(ids, labels=ids)
+    assert opt.param_groups[0]["train_mode"] is True
+    for a, b in zip(trained, model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # back to y
+
+
+def test_layerwise_param_groups_are_the_inner_optimizers_so_schedulers_work():
+    model = Tiny()
+    opt = create_optimizer("galore_adamw_layerwise", model, lr=1e-2, target_modules="all-linear", rank=4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    scheduler.step()
+    assert all(inner.param_groups[0]["lr"] == 5e-3 for inner in opt._inner.values())
+    assert len(opt.param_groups) == len(list(model.parameters()))
+
+
+def test_lomo_in_a_plain_loop_equals_fused_backward():
+    lomo_optim = pytest.importorskip("lomo_optim")
+    ours, theirs = Tiny(), Tiny()
+    opt = create_optimizer("lomo", ours, lr=1e-2)
+    ref = lomo_optim.Lomo(theirs, lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
+    for step, ids in enumerate(BATCHES):
+        ours(ids, labels=ids).backward()
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+        ref.fused_backward(theirs(ids, labels=ids), 1e-2 / (step + 1))
+    for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(p, q, **EXACT)
+    assert all(p.grad is None for p in ours.parameters())  # gradients freed as they were used
+
+
+# --- the conformance kit and the planner's numbers ------------------------------------------------------------------
+
+KIT_HP = {"galore": dict(target_modules="all-linear", rank=4), "apollo": dict(target_modules="all-linear", rank=4),
+          "schedule_free_radam": dict(silent_sgd_phase=False)}  # RAdam's first steps are otherwise silent (lr 0)
+
+
+def _kit_names():
+    names = sorted({get_optimizer_spec(n).name for n in HF_NAMES} | {"torch_adafactor"})
+    return [_param(n) for n in names if n not in HARDWARE]
+
+
+@pytest.mark.parametrize("name", _kit_names())
+def test_every_plugin_passes_the_conformance_kit(name):
+    hp = next((v for k, v in KIT_HP.items() if name.startswith(k)), {})
+    check_optimizer(name, steps=15, lr=1e-2, **hp)
+
+
+def test_state_bytes_of_the_low_rank_optimizers_on_a_transformer_shape():
+    """Exact for 'all-linear' (the planner's assumption); measured after a real step."""
+    from memwrap.registry import measure_state_bytes
+
+    for name in ("galore_adamw", "galore_adafactor", "apollo_adamw"):
+        model = Tiny()
+        opt = create_optimizer(name, model, lr=1e-2, target_modules="all-linear", rank=8)
+        model(BATCHES[0], labels=BATCHES[0]).backward()
+        opt.step()
+        assert predict_state_bytes(name, model, rank=8) == measure_state_bytes(opt), name
