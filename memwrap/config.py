@@ -36,6 +36,7 @@ class Options:
     scaler: dict[str, Any] | None = None  # fp16 GradScaler settings (memwrap.loss_scale)
     compensation: str | None = None  # how a precision without master weights keeps small updates (bf16-true)
     step_in_backward: bool = False  # each parameter steps as soon as its gradient is final (memwrap.step_in_backward)
+    chunked_loss: bool | int = False  # a model's loss from labels without whole logits; int: tokens per chunk (memwrap.loss_head)
 
     def to_kwargs(self) -> dict[str, Any]:
         """The options that differ from the defaults, ready for ``wrap(**kwargs)``."""
@@ -117,6 +118,10 @@ def _validate(values: dict[str, Any]) -> None:
     accumulate = values.get("accumulate", 1)
     if isinstance(accumulate, bool) or not isinstance(accumulate, numbers.Integral) or accumulate < 1:
         raise ValueError(
+    chunked = values["chunked_loss"] = False if values.get("chunked_loss") is None else values.get("chunked_loss", False)
+    if not isinstance(chunked, bool) and (not isinstance(chunked, numbers.Integral) or chunked < 1):
+        raise ValueError(f"chunked_loss must be True, False or an int >= 1 (tokens per chunk), got {chunked!r}. "
+                         "Fix: chunked_loss=True picks the chunk size; see docs/chunked_loss.md.")
             f"accumulate must be an int >= 1 (micro-batches per optimizer update), got {accumulate!r}. "
             f"Fix: e.g. accumulate=8 for a global batch of 8 micro-batches; 1 disables accumulation."
         )

@@ -89,3 +89,21 @@ def memwrap_checkpoint_policies() -> dict[str, object]:
     optional dependencies; an exception raised here is reported as a warning naming the plugin
     and its distribution, and the other plugins' policies remain usable.
     """
+
+
+@hookspec
+def memwrap_loss_heads() -> list:
+    """Return the loss-head adapters this plugin provides, for ``wrap(chunked_loss=...)``.
+
+    :return: a list (possibly empty) of :class:`memwrap.loss_head.LossHeadSpec`: a ``name``, a
+        ``matches(model) -> bool`` recognizing a model family, and ``forward(model, args, kwargs, loss)``
+        which runs a labelled call through the model's body and returns an output like the model's with
+        ``loss`` computed by the given chunked ``loss(hidden, head_weight, labels, ...)`` and no logits
+        (None for a call without labels: the model then runs unchanged).
+
+    Called when ``wrap(chunked_loss=...)`` resolves the model's adapter. All results are collected (not
+    ``firstresult``); exactly one adapter must match a model: none, or two, is an error at ``wrap()``
+    naming the model class (and both plugins). The hook must be cheap and must not import heavy optional
+    dependencies (``matches`` should look at ``sys.modules`` rather than import a framework). An exception
+    raised here or in ``matches`` is reported as a warning naming the plugin; the other adapters remain usable.
+    """

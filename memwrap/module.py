@@ -2,7 +2,8 @@
 
 1. gradient-sync control (DDP ``no_sync`` / FSDP2) unless this micro-batch closes the window,
 2. autocast for the precision mode,
-3. the user's module forward (checkpointed blocks inside it),
+3. the user's module forward (checkpointed blocks inside it); with ``chunked_loss`` a call with
+   labels runs the model's body, then its head and loss chunk by chunk (:mod:`memwrap.loss_head`),
 4. floating outputs cast to fp32,
 5. gradient hooks on outputs: incoming grad *= micro-batch weight (and the fp16 loss scale),
    so that an untouched ``loss.backward()`` yields exactly the big-batch gradient.
@@ -42,7 +43,8 @@ class WrappedModule(nn.Module):
 
     def __init__(self, module: nn.Module, gate: AccumulationGate, precision: Precision,
                  scaler: torch.amp.GradScaler, device_type: str,
-                 sync_context: Callable[[bool], contextlib.AbstractContextManager] | None = None):
+                 sync_context: Callable[[bool], contextlib.AbstractContextManager] | None = None,
+                 loss_head: Callable[[nn.Module, tuple, dict], Any] | None = None):
         super().__init__()
         self.module = module
         # Plain attributes (not submodules or buffers): they must not show up in state_dict.
@@ -51,6 +53,8 @@ class WrappedModule(nn.Module):
         object.__setattr__(self, "_scaler", scaler)
         object.__setattr__(self, "_device_type", device_type)
         object.__setattr__(self, "_sync_context", sync_context)
+        # chunked_loss: called instead of the module (memwrap.loss_head.BoundLossHead); None: the module itself.
+        object.__setattr__(self, "_loss_head", loss_head)
         object.__setattr__(self, "_hooks_bypassed", _Bypass())
         object.__setattr__(self, "checkpoint_report", None)
         object.__setattr__(self, "_owns_checkpointing", False)  # whether unwrap() removes the checkpointing
@@ -73,7 +77,10 @@ class WrappedModule(nn.Module):
             if stray is not None:
                 self._warn_grad_input(stray)
         with self._sync(training), self._precision.autocast(self._device_type):
-            outputs = self.module(*args, **kwargs)
+            if self._loss_head is None:
+                outputs = self.module(*args, **kwargs)
+            else:  # a labelled call: the model's body, then its head and loss chunk by chunk
+                outputs = self._loss_head(self.module, args, kwargs)
         outputs, opaque = self._finish(outputs, training)
         if training and self._loss_log is not None:
             self._loss_log.record_outputs(outputs)

@@ -47,6 +47,7 @@ class WrapPlan:
     precision: Precision
     device_type: str
     checkpoint: dict[str, Any] | None
+    loss_head: Any = None  # the model's chunked-loss adapter (memwrap.loss_head.BoundLossHead) or None
 
 
 def check_wrap(objects: tuple[Any, ...], options: dict[str, Any]) -> WrapPlan:
@@ -81,8 +82,12 @@ def check_wrap(objects: tuple[Any, ...], options: dict[str, Any]) -> WrapPlan:
     device_type = _device_type(model, optimizer)
     precision.check(device_type)  # called from here: its warnings use stacklevel=4, the user's wrap() line
     checkpoint = _check_checkpointing(model, opts) if model is not None else None
+    loss_head = None
+    if model is not None and opts.chunked_loss is not False:
+        from memwrap.loss_head import BoundLossHead, find_loss_head
+        loss_head = BoundLossHead(find_loss_head(model), None if opts.chunked_loss is True else opts.chunked_loss)
     return WrapPlan(opts, tuple(objects), model, optimizer, kinds["scheduler"], kinds["loader"], precision,
-                    device_type, checkpoint)
+                    device_type, checkpoint, loss_head)
 
 
 def _check_updates_in_backward(name: str | None, opts: Any, precision: Any) -> None:
@@ -173,7 +178,8 @@ def _check_option_targets(opts: Options, precision: Precision, model: Any, optim
                 f"{name}={getattr(opts, name)!r} acts in optimizer.step(), but no optimizer was given, so it would be "
                 f"ignored. Fix: memwrap.wrap(model, optimizer, {name}=...)."
             )
-    forward = {"precision": precision.name != "fp32", "checkpoint": opts.checkpoint not in (None, False)}
+    forward = {"precision": precision.name != "fp32", "checkpoint": opts.checkpoint not in (None, False),
+               "chunked_loss": opts.chunked_loss is not False}
     for name in (n for n, given in forward.items() if given):
         if model is None:
             raise TypeError(

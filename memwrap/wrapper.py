@@ -58,7 +58,7 @@ def wrap(*objects: Any, **options: Any) -> Any:
     wrapped_model = wrapped_opt = None
     if plan.model is not None:
         wrapped_model = WrappedModule(plan.model, gate, plan.precision, scaler, plan.device_type,
-                                      sync_control(plan.model))
+                                      sync_control(plan.model), loss_head=plan.loss_head)
         results[id(plan.model)] = wrapped_model
     if plan.optimizer is not None:
         wrapped_opt = WrappedOptimizer(_optimizer_to_step(plan), gate, scaler, plan.opts.max_grad_norm,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch  # noqa: F401  (used by the doctest above)
 
-from memwrap.models.common import lm_loss, classification_loss
+from memwrap.models.common import lm_loss, classification_loss, causal_lm_loss, LMOutput
 from memwrap.models.gpt import GPTConfig, GPT, GPTBlock
 from memwrap.models.llama import LlamaConfig, Llama, LlamaDecoderLayer
 from memwrap.models.bert import BertConfig, Bert, BertLayer
@@ -52,4 +52,6 @@ __all__ = [
     "get_preset",
     "lm_loss",
     "classification_loss",
+    "causal_lm_loss",
+    "LMOutput",
 ]

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memwrap.models.common import _normal_init
+from memwrap.models.common import LMOutput, _normal_init, causal_lm_loss
 
 
 @dataclass
@@ -83,7 +83,17 @@ class GPT(nn.Module):
         self.apply(lambda m: _normal_init(m, 0.02))
         self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, labels: torch.Tensor | None = None,
+                num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor | LMOutput:
+        """Logits ``[B, T, V]``; with ``labels`` (Hugging Face style, shifted inside) an :class:`LMOutput`
+        with ``loss`` and ``logits``."""
+        logits = self.lm_head(self.hidden_states(idx))
+        if labels is None:
+            return logits
+        return LMOutput(loss=causal_lm_loss(logits, labels, num_items_in_batch), logits=logits)
+
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+        """The body: the final norm's output ``[B, T, n_embd]``, which ``lm_head`` turns into logits."""
         t = idx.shape[1]
         if t > self.config.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size={self.config.block_size}; "
@@ -92,4 +102,4 @@ class GPT(nn.Module):
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
             x = block(x)
-        return self.lm_head(self.transformer.ln_f(x))
+        return self.transformer.ln_f(x)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memwrap.models.common import _normal_init
+from memwrap.models.common import LMOutput, _normal_init, causal_lm_loss
 
 
 @dataclass
@@ -122,7 +122,17 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.apply(lambda m: _normal_init(m, 0.02))
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor | LMOutput:
+        """Logits ``[B, T, V]``; with ``labels`` (Hugging Face style, shifted inside) an :class:`LMOutput`
+        with ``loss`` and ``logits``."""
+        logits = self.lm_head(self.hidden_states(input_ids))
+        if labels is None:
+            return logits
+        return LMOutput(loss=causal_lm_loss(logits, labels, num_items_in_batch), logits=logits)
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The body: the final norm's output ``[B, T, hidden_size]``, which ``lm_head`` turns into logits."""
         t = input_ids.shape[1]
         if t > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {t} exceeds max_position_embeddings="
@@ -132,4 +142,4 @@ class Llama(nn.Module):
         for layer in self.model.layers:
             # Passed by keyword on purpose: checkpoint policies must forward kwargs.
             x = layer(x, position_embeddings=pe)
-        return self.lm_head(self.model.norm(x))
+        return self.model.norm(x)

@@ -1,0 +1,257 @@
+"""Chunked LM-head loss: a causal LM's loss without its whole ``[tokens, vocab]`` logits.
+
+With ``wrap(model, ..., chunked_loss=True)``, a call ``model(input_ids, labels=labels)`` runs the
+model's body (everything up to the final norm) and then the head and the cross entropy chunk by
+chunk of tokens: each chunk's logits, their fp32 upcast, the log-softmax and their gradients live
+only while that chunk is computed, in forward and again in backward (the chunk is recomputed under
+:func:`torch.utils.checkpoint.checkpoint`). The loss and every gradient equal the plain
+computation's (Hugging Face's label shift, ``ignore_index=-100``, the mean over valid tokens or
+``sum / num_items_in_batch``), up to fp32 summation order.
+
+Which module is the body and which the head, whether the model softcaps or scales its logits: that
+is model-family knowledge, which plugins provide through the ``memwrap_loss_heads`` hook (built-ins:
+``plugins/loss_heads_zoo.py`` for memwrap's own GPT/Llama, ``plugins/loss_heads_hf.py`` for
+Hugging Face causal LMs). The core stays free of transformers; a model no plugin recognizes is
+refused at ``wrap()``.
+
+Example:
+    >>> import memwrap, torch
+    >>> from memwrap.models import GPT, GPTConfig
+    >>> net = GPT(GPTConfig(vocab_size=512, block_size=32, n_layer=1, n_head=2, n_embd=32))
+    >>> model = memwrap.wrap(net, chunked_loss=16)
+    >>> ids = torch.randint(0, 512, (2, 32))
+    >>> out = model(ids, labels=ids)
+    >>> out["logits"] is None, out["loss"].shape
+    (True, torch.Size([]))
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["LossHeadSpec", "LossHeadError", "linear_cross_entropy", "default_chunk_size", "loss_heads",
+           "find_loss_head", "BoundLossHead", "IGNORE_INDEX"]
+
+IGNORE_INDEX = -100  # Hugging Face's (and torch's) default
+MIN_CHUNK = 256  # tokens: smaller chunks cost more in per-chunk overhead than they save
+
+
+class LossHeadError(ValueError):
+    """``chunked_loss`` cannot be applied to this model (no adapter, two adapters, a sharded root ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LossHeadSpec:
+    """A model-family adapter for the chunked loss, returned by a ``memwrap_loss_heads`` plugin.
+
+    ``matches(model) -> bool`` recognizes the models the adapter handles (cheap: types and config
+    only; it must not run the model). ``forward(model, args, kwargs, loss)`` runs one call
+    ``model(*args, **kwargs)``: when the call carries labels it runs the model's body and returns an
+    output like the model's with ``loss = loss(hidden, head_weight, labels, ...)`` (``loss`` is
+    :func:`linear_cross_entropy` with the chunk size bound) and no logits; for a call without
+    labels it returns None and the model runs unchanged. ``description`` names the families.
+
+    Example:
+        >>> spec = LossHeadSpec("mine", matches=lambda m: False, forward=lambda m, a, k, loss: None)
+        >>> spec.name
+        'mine'
+    """
+
+    name: str
+    matches: Callable[[nn.Module], bool]
+    forward: Callable[[nn.Module, tuple, dict, Callable[..., torch.Tensor]], Any]
+    description: str = ""
+
+
+# ----------------------------------------------------------------------------- the loss
+
+def default_chunk_size(tokens: int, hidden: int, vocab: int) -> int:
+    """Tokens per chunk when ``chunked_loss=True``: a chunk's logits about as large as the hidden states.
+
+    ``tokens * hidden / vocab`` tokens (so one chunk of ``[chunk, vocab]`` logits holds as many numbers as the
+    ``[tokens, hidden]`` hidden states), at least :data:`MIN_CHUNK` and at most ``tokens``.
+
+    Example:
+        >>> default_chunk_size(4096, 4096, 128256)  # Llama-3-8B, batch 2 x 2048
+        256
+    """
+    return max(1, min(tokens, max(MIN_CHUNK, -(-tokens * hidden // vocab))))
+
+
+def _chunk_sum(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+               transform: Callable[[torch.Tensor], torch.Tensor] | None, ignore_index: int) -> torch.Tensor:
+    # The plain path's ops in its order: the head (autocast applies as it does to lm_head), the model's own
+    # logit transform (softcapping, scaling), the fp32 upcast, then cross entropy, summed over the chunk.
+    logits = F.linear(h, weight, bias)
+    if transform is not None:
+        logits = transform(logits)
+    return F.cross_entropy(logits.float(), y, ignore_index=ignore_index, reduction="sum")
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                         bias: torch.Tensor | None = None,
+                         transform: Callable[[torch.Tensor], torch.Tensor] | None = None, shift: bool = False,
+                         ignore_index: int = IGNORE_INDEX, num_items: int | torch.Tensor | None = None,
+                         chunk_size: int | None = None) -> torch.Tensor:
+    """Cross entropy of ``transform(hidden @ weight.T + bias)`` against ``labels``, one chunk of tokens at a time.
+
+    ``hidden`` is ``[..., H]`` and ``labels`` ``[...]`` (``shift=True``: Hugging Face's causal shift, position
+    ``t`` predicts ``labels[..., t + 1]``, the last position is ignored). The result is the mean over labels
+    that are not ``ignore_index`` (NaN when there are none, as in torch), or the sum divided by
+    ``num_items`` when given (Hugging Face's ``num_items_in_batch``). Each chunk runs under non-reentrant
+    :func:`torch.utils.checkpoint.checkpoint`, so its logits are freed after forward and recomputed in
+    backward: at most one chunk's logits, their fp32 copy and their gradients are alive at any time.
+    ``chunk_size`` defaults to :func:`default_chunk_size`. Pure torch; runs on fake tensors.
+
+    Example:
+        >>> h, w = torch.randn(2, 8, 4, requires_grad=True), torch.randn(10, 4, requires_grad=True)
+        >>> y = torch.randint(0, 10, (2, 8))
+        >>> plain = F.cross_entropy((h @ w.T)[:, :-1].flatten(0, 1), y[:, 1:].flatten())
+        >>> torch.allclose(linear_cross_entropy(h, w, y, shift=True, chunk_size=3), plain)
+        True
+    """
+    if shift:
+        labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    if tuple(hidden.shape[:-1]) != tuple(labels.shape):
+        raise ValueError(f"labels of shape {tuple(labels.shape)} do not match the hidden states "
+                         f"{tuple(hidden.shape)} (expected {tuple(hidden.shape[:-1])}). Fix: pass one label per "
+                         "input token (Hugging Face style: labels = input_ids, with -100 where no loss is wanted).")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int (tokens per chunk) or None, got {chunk_size!r}.")
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1).to(h.device)
+    n = h.shape[0]
+    size = chunk_size or default_chunk_size(n, h.shape[-1], weight.shape[0])
+    total = None
+    for start in range(0, n, size):
+        # No RNG inside a chunk: skipping the RNG-state save keeps the recompute cheap.
+        part = checkpoint(_chunk_sum, h[start:start + size], weight, bias, y[start:start + size], transform,
+                          ignore_index, use_reentrant=False, preserve_rng_state=False)
+        total = part if total is None else total + part
+    if total is None:  # no tokens at all: torch's mean over nothing
+        total = (h.sum() * 0.0).float() + weight.sum() * 0.0
+    if num_items is not None:
+        if isinstance(num_items, torch.Tensor):
+            num_items = num_items.to(total.device)
+        return total / num_items
+    return total / (y != ignore_index).sum()
+
+
+# ----------------------------------------------------------------------------- the adapters
+
+def _validate(result: Any) -> list[LossHeadSpec]:
+    from memwrap.plugins import PluginContractError
+
+    if not isinstance(result, (list, tuple)) or not all(isinstance(s, LossHeadSpec) for s in result):
+        raise PluginContractError(f"memwrap_loss_heads must return a list of memwrap.loss_head.LossHeadSpec, "
+                                  f"got {result!r}")
+    return list(result)
+
+
+def loss_heads() -> list[tuple[LossHeadSpec, str]]:
+    """Every registered loss-head adapter, guarded, with its plugin's description, in registration order.
+
+    Example:
+        >>> sorted(spec.name for spec, _ in loss_heads())  # doctest: +SKIP
+        ['hf-causal-lm', 'zoo-lm']
+    """
+    from memwrap.plugin_calls import FieldRule, call_hook, guard_fields
+
+    # A matches() that fails counts as "not this adapter" (recorded and warned once); the others still match.
+    rules = {"matches": FieldRule(check=lambda r: None if isinstance(r, bool) else
+                                  f"matches() must return True or False, got {r!r}", fallback=lambda failure: False),
+             "forward": FieldRule(caller_errors=True)}  # a bad labels shape is the caller's mistake
+    out = []
+    for r in call_hook("memwrap_loss_heads", validate=_validate, consequence="Its loss heads are unavailable."):
+        for spec in r.result:
+            out.append((guard_fields(spec, r.plugin, spec.name, rules), r.origin))
+    return out
+
+
+def _refuse_root_wrappers(model: nn.Module) -> None:
+    # The adapter runs the model's body directly, not model(...): whatever hangs on the root module's call
+    # (DDP's reducer, FSDP2's root all-gather, the user's forward hooks) would be skipped.
+    name = type(model).__name__
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        why = "DistributedDataParallel's forward prepares its gradient reduction"
+    elif type(model).__name__.startswith("FSDP") and hasattr(model, "unshard"):
+        why = "FSDP2's root forward gathers the root's parameters"
+    elif model._forward_hooks or model._forward_pre_hooks:
+        why = f"{name} has forward hooks on its root module ({len(model._forward_hooks) + len(model._forward_pre_hooks)})"
+    else:
+        return
+    raise LossHeadError(
+        f"chunked_loss on {name}: the chunked loss runs the model's body and head itself, not {name}(...), and "
+        f"{why}, which would then be skipped. Fix: drop chunked_loss= for this model (or remove the root hooks); "
+        "see docs/chunked_loss.md.")
+
+
+def find_loss_head(model: nn.Module) -> LossHeadSpec:
+    """The one registered adapter that recognizes ``model``; raises :class:`LossHeadError` naming the fix.
+
+    Example:
+        >>> from memwrap.models import build_preset
+        >>> find_loss_head(build_preset("gpt2-tiny")).name
+        'zoo-lm'
+    """
+    _refuse_root_wrappers(model)
+    heads = loss_heads()
+    found = [(spec, origin) for spec, origin in heads if spec.matches(model)]
+    if len(found) > 1:
+        names = "; ".join(f"{spec.name!r} from {origin}" for spec, origin in found)
+        raise LossHeadError(f"chunked_loss: more than one loss-head adapter recognizes {type(model).__name__} "
+                            f"({names}). Fix: uninstall one, or block its plugin with MEMWRAP_BLOCK_PLUGINS=<name>.")
+    if not found:
+        known = "; ".join(f"{spec.name} ({spec.description})" for spec, _ in heads) or "none installed"
+        raise LossHeadError(
+            f"chunked_loss: no loss-head adapter recognizes {type(model).__module__}.{type(model).__name__}, so "
+            f"memwrap cannot tell its body from its LM head (adapters: {known}). Fix: drop chunked_loss= for this "
+            "model, or add an adapter plugin implementing the memwrap_loss_heads hook (docs/chunked_loss.md).")
+    return found[0][0]
+
+
+class BoundLossHead:
+    """One wrapped model's chunked loss: its adapter and chunk size; called instead of ``model(*args, **kwargs)``.
+
+    A call with labels goes through the adapter; a call without labels runs the model unchanged (its
+    logits are wanted), with a one-time warning when it happens with gradients on (training).
+
+    Example:
+        >>> from memwrap.models import build_preset
+        >>> net = build_preset("gpt2-tiny", n_layer=1)
+        >>> head = BoundLossHead(find_loss_head(net), chunk_size=64)
+        >>> ids = torch.randint(0, 4096, (1, 16))
+        >>> head(net, (ids,), {"labels": ids})["logits"] is None
+        True
+    """
+
+    def __init__(self, spec: LossHeadSpec, chunk_size: int | None = None):
+        self.spec = spec
+        self.chunk_size = chunk_size
+        self.calls = {"chunked": 0, "plain": 0}
+        self._warned = False
+
+    def loss(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return linear_cross_entropy(hidden, weight, labels, chunk_size=self.chunk_size, **kwargs)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        out = self.spec.forward(module, args, kwargs, self.loss)
+        if out is not None:
+            self.calls["chunked"] += 1
+            return out
+        self.calls["plain"] += 1
+        if torch.is_grad_enabled() and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"chunked_loss is on, but {type(module).__name__}(...) was called without labels, so it computed its "
+                "whole logits as usual (the chunked loss only replaces a loss the model computes from labels). Fix: "
+                "call model(input_ids, labels=labels) and use outputs.loss, or drop chunked_loss= if you compute "
+                "the loss from the logits yourself.", stacklevel=4)
+        return module(*args, **kwargs)
