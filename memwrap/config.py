@@ -115,13 +115,13 @@ def _validate(values: dict[str, Any]) -> None:
     precision_class(compensation=values.get("compensation"))
     if not isinstance(values.get("step_in_backward", False), bool):
         raise ValueError(f"step_in_backward must be True or False, got {values['step_in_backward']!r}.")
-    accumulate = values.get("accumulate", 1)
-    if isinstance(accumulate, bool) or not isinstance(accumulate, numbers.Integral) or accumulate < 1:
-        raise ValueError(
     chunked = values["chunked_loss"] = False if values.get("chunked_loss") is None else values.get("chunked_loss", False)
     if not isinstance(chunked, bool) and (not isinstance(chunked, numbers.Integral) or chunked < 1):
         raise ValueError(f"chunked_loss must be True, False or an int >= 1 (tokens per chunk), got {chunked!r}. "
                          "Fix: chunked_loss=True picks the chunk size; see docs/chunked_loss.md.")
+    accumulate = values.get("accumulate", 1)
+    if isinstance(accumulate, bool) or not isinstance(accumulate, numbers.Integral) or accumulate < 1:
+        raise ValueError(
             f"accumulate must be an int >= 1 (micro-batches per optimizer update), got {accumulate!r}. "
             f"Fix: e.g. accumulate=8 for a global batch of 8 micro-batches; 1 disables accumulation."
         )
