@@ -266,6 +266,8 @@ class WrappedOptimizer(torch.optim.Optimizer):
     def _update(self) -> float | None:
         """Step the inner optimizer; on a non-finite window return the loss scale it was computed with (1.0
         without loss scaling) instead, or None when the update was applied."""
+        if self.__dict__.get("step_in_backward") is not None:  # the parameters stepped inside backward
+            return self.step_in_backward.finish_window()
         scaler = self.scaler
         if scaler.is_enabled():
             scaler.unscale_(self.optimizer)

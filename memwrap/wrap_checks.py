@@ -85,6 +85,7 @@ def check_wrap(objects: tuple[Any, ...], options: dict[str, Any]) -> WrapPlan:
     loss_head = None
     if model is not None and opts.chunked_loss is not False:
         from memwrap.loss_head import BoundLossHead, find_loss_head
+
         loss_head = BoundLossHead(find_loss_head(model), None if opts.chunked_loss is True else opts.chunked_loss)
     return WrapPlan(opts, tuple(objects), model, optimizer, kinds["scheduler"], kinds["loader"], precision,
                     device_type, checkpoint, loss_head)
@@ -171,7 +172,8 @@ def _check_option_targets(opts: Options, precision: Precision, model: Any, optim
             f"optim={opts.optim!r} converts the optimizer you pass to wrap(); none was given. Fix: pass your "
             f"optimizer, or build one with memwrap.create_optimizer({opts.optim!r}, model.parameters())."
         )
-    stepping = {"max_grad_norm": opts.max_grad_norm is not None, "on_nonfinite": opts.on_nonfinite != "skip"}
+    stepping = {"max_grad_norm": opts.max_grad_norm is not None, "on_nonfinite": opts.on_nonfinite != "skip",
+                "step_in_backward": opts.step_in_backward}
     for name in (n for n, given in stepping.items() if given):
         if optimizer is None:
             raise TypeError(

@@ -73,6 +73,10 @@ def wrap(*objects: Any, **options: Any) -> Any:
         results[id(loader)].optimizer = wrapped_opt  # loader.end_epoch() steps the open window through it
     if wrapped_model is not None:
         _change_model(plan, wrapped_model)
+    if wrapped_opt is not None and plan.opts.step_in_backward:  # hooks on the parameters: a change, made last
+        from memwrap.step_in_backward import StepInBackward
+
+        wrapped_opt.step_in_backward = StepInBackward(wrapped_opt, plan.model)
     ordered = tuple(results[id(obj)] for obj in objects)
     return ordered[0] if len(ordered) == 1 else ordered
 
@@ -99,6 +103,8 @@ def unwrap(obj: Any) -> Any:
         obj._precision.restore()
         return obj.module
     if isinstance(obj, WrappedOptimizer):
+        if obj.__dict__.get("step_in_backward") is not None:
+            obj.step_in_backward.remove()  # its parameters stop stepping inside backward
         return obj.optimizer
     if isinstance(obj, WrappedScheduler):
         return obj.scheduler
@@ -137,10 +143,19 @@ def _optimizer_to_step(plan: WrapPlan) -> torch.optim.Optimizer:
     from memwrap.distributed import check_sharded_optimizer
 
     check_sharded_optimizer(inner)  # e.g. 8-bit bitsandbytes on FSDP2 shards: fail now, with the fix, not at step 1
-    plan.precision.check_optimizer(inner)
+    if plan.precision.check_optimizer(inner) and plan.schedulers:  # True: the precision will replace the optimizer
+        raise ValueError(
+            f"precision={plan.opts.precision!r} replaces {type(inner).__name__} with a compensated equivalent, but the "
+            "scheduler passed along still drives the old one. Fix: wrap the model and optimizer first, then build the "
+            "scheduler on the returned optimizer and wrap it: scheduler = memwrap.wrap(LambdaLR(optimizer, ...))."
+        )
+    if plan.opts.step_in_backward:
+        from memwrap.step_in_backward import check_step_in_backward
+
+        check_step_in_backward(plan.model, inner, plan.opts, plan.precision)
     # Before convert_module(): building the optimizer does not depend on the parameters' dtype (state is made at
     # the first step), and a failure here must find the model unchanged.
-    return plan.precision.convert_optimizer(inner, plan.model)
+    return plan.precision.convert_optimizer(inner, plan.model, step_in_backward=plan.opts.step_in_backward)
 
 
 def _monitor(plan: WrapPlan) -> Any:

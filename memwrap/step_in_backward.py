@@ -1,0 +1,276 @@
+"""The optimizer step inside backward (``wrap(..., step_in_backward=True)``).
+
+Each parameter is updated, and its gradient freed, as soon as its gradient for the window is
+complete: a ``register_post_accumulate_grad_hook`` on every parameter fires right after autograd
+accumulated the parameter's gradient, and during the window's last backward (the accumulation
+gate knows which one that is) it steps that one parameter and sets ``p.grad = None``. The full
+set of gradients therefore never lives at once when ``accumulate=1``.
+
+The loop is unchanged: ``loss.backward(); optimizer.step(); optimizer.zero_grad()``. ``step()``
+still closes the window and does the bookkeeping (update counters, wrapped schedulers stepping
+once per update, the monitor); it also steps any parameter whose gradient arrived only in an
+earlier micro-batch of the window (its hook did not fire in the last backward), so the update
+is exactly the ordinary one.
+
+How one parameter is stepped, exactly as the whole optimizer would step it:
+
+* torch-optimi optimizers built with ``gradient_release=True``: optimi's own per-parameter step,
+  ``optimizer.step(param=p)`` (its state keeps a per-parameter step count). Their ``state_dict``
+  leaves out the group link optimi keeps in each parameter's state (it would save a copy of every
+  parameter and, once loaded, detach the learning rate from the scheduler); it is restored before
+  each step.
+* any other ``torch.optim.Optimizer`` (AdamW, Adafactor, bitsandbytes 8-bit, Lion, ...): a view of
+  the user's optimizer whose only parameter group holds that one parameter, with the live group's
+  hyperparameters (a scheduler's learning rate included) and the optimizer's own ``state``, so
+  ``state_dict``/``load_state_dict`` of the returned optimizer work unchanged. This is exact for
+  optimizers whose update of a parameter depends only on that parameter's gradient and state
+  (every elementwise optimizer, and factored ones such as Adafactor), not for ones coupling
+  parameters (a global norm inside ``step``); the optimizer's own step hooks do not fire per
+  parameter.
+
+What is refused at ``wrap()``, each with the fix: a closure-based optimizer (LBFGS); clipping by
+global norm (``max_grad_norm``: the norm needs every gradient before the first update); fp16 loss
+scaling (its non-finite check must see every gradient before any parameter changes); DDP/FSDP2
+(a gradient is final only after its reduction, which the hook precedes); a torch-optimi optimizer
+built without ``gradient_release=True``.
+
+A non-finite gradient cannot skip the whole update (earlier parameters have stepped by the time a
+later one is seen): that parameter alone is not updated, and ``step()`` warns naming how many were
+left out (or raises with ``on_nonfinite="raise"``). The finiteness check is one device sync per
+parameter.
+
+Example:
+    >>> model, optimizer = memwrap.wrap(model, torch.optim.AdamW(model.parameters()), step_in_backward=True)  # doctest: +SKIP
+    >>> loss.backward()  # each parameter is updated here, its gradient freed  # doctest: +SKIP
+    >>> optimizer.step(); optimizer.zero_grad()  # bookkeeping  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import collections
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["StepInBackward", "check_step_in_backward", "gradient_bytes_held"]
+
+
+def check_step_in_backward(model: nn.Module | None, optimizer: torch.optim.Optimizer | None, opts: Any,
+                           precision: Any) -> None:
+    """Refuse, before anything changes, what cannot step exactly inside backward; each error names the fix.
+
+    Example:
+        >>> check_step_in_backward(model, torch.optim.LBFGS(model.parameters()), opts, precision)  # doctest: +SKIP
+        Traceback (most recent call last):
+        ValueError: step_in_backward=True with LBFGS: ...
+    """
+    if model is None or optimizer is None:
+        raise TypeError("step_in_backward=True steps the optimizer from the model's backward pass: pass both. "
+                        "Fix: model, optimizer = memwrap.wrap(model, optimizer, step_in_backward=True).")
+    name = type(optimizer).__name__
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(f"step_in_backward=True with {name}: a closure-based optimizer re-evaluates the loss inside "
+                         "step(), which cannot run inside backward. Fix: drop step_in_backward, or use a first-order "
+                         "optimizer (AdamW, SGD, ...).")
+    if opts.max_grad_norm is not None:
+        raise ValueError(
+            f"step_in_backward=True with max_grad_norm={opts.max_grad_norm}: clipping by global norm needs every "
+            "gradient before the first parameter changes, and inside backward the first parameter is updated before "
+            "the last gradient exists. memwrap does not clip differently in silence. Fix: drop max_grad_norm; or drop "
+            "step_in_backward and save memory otherwise (an 8-bit or factored optimizer, checkpointing, accumulate=); "
+            "an exact norm would need a second backward pass per step (as LOMO does), which memwrap does not run.")
+    if precision.uses_scaler:
+        raise ValueError(
+            f"step_in_backward=True with precision={opts.precision!r}: loss scaling must see that every gradient is "
+            "finite before any parameter changes (or skip the whole update), and inside backward parameters change "
+            "before the last gradient exists. Fix: use precision='bf16' or 'bf16-true' (no loss scaling), or drop "
+            "step_in_backward.")
+    from memwrap.distributed import sync_control
+
+    if sync_control(model) is not None:
+        raise ValueError(
+            f"step_in_backward=True on a {type(model).__name__} (DDP/FSDP2): a gradient is final only after its "
+            "all-reduce / reduce-scatter, and the post-accumulate hook fires before it, so each rank would step with "
+            "its local gradient. Fix: drop step_in_backward under data parallelism (FSDP2 already shards the "
+            "gradients), or train on one device.")
+    if _is_optimi(optimizer) and not optimizer.defaults.get("gradient_release"):
+        raise ValueError(
+            f"step_in_backward=True with optimi.{name} built without gradient_release=True: optimi steps one parameter "
+            f"at a time only in that mode (it keeps a step count per parameter). Fix: optimi.{name}(..., "
+            "gradient_release=True), or drop step_in_backward.")
+
+
+def _is_optimi(optimizer: torch.optim.Optimizer) -> bool:
+    return type(optimizer).__module__.split(".")[0] == "optimi"
+
+
+class StepInBackward:
+    """Steps each parameter of ``wrapped``'s optimizer inside backward; see the module docstring.
+
+    Attached by ``wrap()`` as ``optimizer.step_in_backward``; ``memwrap.unwrap(optimizer)`` removes
+    the hooks. ``partial_windows`` counts windows in which a non-finite gradient left a parameter out.
+
+    Example:
+        >>> optimizer.step_in_backward.stepped_this_window  # doctest: +SKIP
+        0
+    """
+
+    def __init__(self, wrapped: Any, model: nn.Module | None = None):
+        self.wrapped = wrapped
+        self.optimizer = wrapped.optimizer
+        self.gate = wrapped.gate
+        self.partial_windows = 0
+        self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        self._stepped: set[int] = set()
+        self._nonfinite: list[str] = []
+        self._steppers: dict[int, Any] = {}
+        self._handles = []
+        optimi = _is_optimi(self.optimizer)
+        if optimi:
+            self._handles.append(self.optimizer.register_state_dict_post_hook(_drop_group_links))
+            for state in self.optimizer.state.values():  # linked again before each step (_OptimiStep)
+                state.pop("group", None)
+        elif hasattr(self.optimizer, "check_overrides"):
+            # bitsandbytes resolves per-module overrides (32-bit embedding state) at its first step; that step
+            # never runs on the whole optimizer here, so resolve them now, into its per-parameter table.
+            self.optimizer.check_overrides()
+        for index, group in enumerate(self.optimizer.param_groups):
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                self._steppers[id(p)] = (_OptimiStep if optimi else _ViewStep)(self.optimizer, index, p)
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_gradient))
+
+    @property
+    def stepped_this_window(self) -> int:
+        return len(self._stepped)
+
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        if not self.gate.closes_window():
+            return  # an earlier micro-batch of the window: the gradient keeps accumulating
+        if id(param) in self._stepped:
+            raise RuntimeError(
+                f"step_in_backward: parameter {self._name(param)} got a second gradient in the window's last "
+                "micro-batch after it had been updated (two backward passes before optimizer.step()?). Its update "
+                "used only the first. Fix: one backward per micro-batch (sum the losses first), or step_in_backward=False.")
+        self._step(param)
+
+    def _step(self, param: torch.Tensor) -> None:
+        self._stepped.add(id(param))
+        grad = param.grad
+        if grad is None:
+            return
+        if not bool(torch.isfinite(grad).all()):
+            self._nonfinite.append(self._name(param))
+        else:
+            with torch.no_grad():
+                self._steppers[id(param)].step()
+        param.grad = None  # freed: the point of stepping here
+
+    def finish_window(self) -> float | None:
+        """Called by ``optimizer.step()`` at the window's end: step what the hooks did not, report, reset.
+
+        Returns None (the update was applied), like ``WrappedOptimizer._update``; raises
+        ``FloatingPointError`` with ``on_nonfinite="raise"`` when a parameter was left out.
+        """
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and id(p) in self._steppers:
+                    self._step(p)  # its gradient came from earlier micro-batches only
+        left_out, self._nonfinite = self._nonfinite, []
+        self._stepped.clear()
+        # An LR scheduler built on the inner optimizer checks that its step() ran before the scheduler's; it did, one
+        # parameter at a time, through views that torch's step counter does not see.
+        self.optimizer._opt_called = True
+        if left_out:
+            self.partial_windows += 1
+            message = (f"step_in_backward: {len(left_out)} parameter(s) had non-finite gradients and were not updated "
+                       f"(e.g. {left_out[0]}); the others were, since they stepped inside backward before these "
+                       "gradients existed. Fix: look for inf/NaN in the loss or the data, or lower the learning rate.")
+            if self.wrapped.on_nonfinite == "raise":
+                raise FloatingPointError(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+        return None
+
+    def remove(self) -> None:
+        """Remove the hooks: the optimizer steps the ordinary way again."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _name(self, param: torch.Tensor) -> str:
+        return repr(self._names.get(id(param), f"of shape {tuple(param.shape)}"))
+
+
+class _ViewStep:
+    """Steps one parameter through a view of the optimizer: same class, state and settings, one one-parameter group."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, index: int, param: torch.Tensor):
+        self.optimizer, self.index, self.param = optimizer, index, param
+        view = object.__new__(type(optimizer))
+        # Instance attributes that shadow a method are left out: an LR scheduler replaces optimizer.step on the
+        # instance with a wrapper bound to the whole optimizer, which the view must not call.
+        view.__dict__.update({k: v for k, v in optimizer.__dict__.items()
+                              if not (callable(v) and hasattr(type(optimizer), k))})
+        # The inner optimizer's step hooks run once per update, not once per parameter.
+        view._optimizer_step_pre_hooks = collections.OrderedDict()
+        view._optimizer_step_post_hooks = collections.OrderedDict()
+        mng = getattr(optimizer, "mng", None)
+        if mng is not None and hasattr(mng, "index2config"):
+            # bitsandbytes keeps per-parameter overrides in a process-wide table keyed by (group, index) positions,
+            # which a one-parameter view would read as the first parameter's. The view reads them by parameter id.
+            view.mng = _ById(mng)
+        self.view = view
+
+    def step(self) -> None:
+        group = self.optimizer.param_groups[self.index]  # the live group: load_state_dict and schedulers change it
+        self.view.param_groups = [{**group, "params": [self.param]}]
+        self.view.state = self.optimizer.state
+        self.view.step()
+
+
+class _ById:
+    """bitsandbytes' override table as seen by a one-parameter view: by parameter id only."""
+
+    def __init__(self, mng: Any):
+        self.pid2config = mng.pid2config
+        self.index2config: dict = {}
+        self.module_weight_config_triple: list = []
+
+
+class _OptimiStep:
+    """Steps one parameter with torch-optimi's own per-parameter step (``gradient_release=True``)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, index: int, param: torch.Tensor):
+        self.optimizer, self.index, self.param = optimizer, index, param
+
+    def step(self) -> None:
+        # optimi links each parameter's state to its group; a loaded state_dict has no link (see _drop_group_links).
+        self.optimizer.state[self.param]["group"] = self.optimizer.param_groups[self.index]
+        self.optimizer.step(param=self.param)
+
+
+def _drop_group_links(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    # torch's state_dict holds the live per-parameter dicts: copy them, never edit them.
+    state = {k: {kk: vv for kk, vv in v.items() if kk != "group"} for k, v in state_dict["state"].items()}
+    return {**state_dict, "state": state}
+
+
+def gradient_bytes_held(grad_bytes: list[int], accumulate: int) -> int:
+    """Peak bytes of parameter gradients alive at once under ``step_in_backward=True`` (for the planner).
+
+    With ``accumulate=1`` a gradient lives from its accumulation to its parameter's step, which the
+    hook runs at once: at most one parameter's gradient exists at a time (the largest). With
+    ``accumulate>1`` the gradients of the whole model accumulate across the window as without
+    step_in_backward (all of them live until the last backward); what is saved then is only the
+    optimizer step's temporaries over all parameters at once (foreach/fused intermediates), since
+    each update runs on one parameter.
+
+    Example:
+        >>> gradient_bytes_held([400, 1600, 40], accumulate=1), gradient_bytes_held([400, 1600, 40], accumulate=4)
+        (1600, 2040)
+    """
+    if not grad_bytes:
+        return 0
+    return max(grad_bytes) if accumulate == 1 else sum(grad_bytes)
