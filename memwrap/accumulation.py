@@ -36,6 +36,8 @@ class AccumulationGate:
         # Between a step() and the next micro-batch's start: whether that step() closed the window (else None).
         self._finished_closed: bool | None = None
         self.ticks = 0  # micro-batches counted since construction (not saved): lets the loader see steps happen
+        # budget=: each batch's cut sets accumulate (memwrap.budget_plan), so a saved value is not a setting to match.
+        self.varies = False
 
     @property
     def backward_seen(self) -> bool:
@@ -142,7 +144,9 @@ class AccumulationGate:
                 "planned": None if self._planned is None else list(self._planned)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["accumulate"] != self.accumulate:
+        if self.varies:
+            self.accumulate = int(state["accumulate"])
+        elif state["accumulate"] != self.accumulate:
             raise ValueError(
                 f"checkpoint was saved with accumulate={state['accumulate']} but this run uses "
                 f"accumulate={self.accumulate}; resume with the same accumulate to reproduce the run."

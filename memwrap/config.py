@@ -37,6 +37,9 @@ class Options:
     compensation: str | None = None  # how a precision without master weights keeps small updates (bf16-true)
     step_in_backward: bool = False  # each parameter steps as soon as its gradient is final (memwrap.step_in_backward)
     chunked_loss: bool | int = False  # a model's loss from labels without whole logits; int: tokens per chunk (memwrap.loss_head)
+    budget: int | None = None  # bytes one device may use: micro-batch and unset options planned per batch (memwrap.budget_plan)
+    margin: Any = None  # room kept free beyond the predicted peak under budget= (memwrap.memory.planner.Margin.parse)
+    budget_may_change: tuple[str, ...] = ()  # options budget= may choose besides checkpointing: "precision", "optim"
 
     def to_kwargs(self) -> dict[str, Any]:
         """The options that differ from the defaults, ready for ``wrap(**kwargs)``."""
@@ -119,6 +122,7 @@ def _validate(values: dict[str, Any]) -> None:
     if not isinstance(chunked, bool) and (not isinstance(chunked, numbers.Integral) or chunked < 1):
         raise ValueError(f"chunked_loss must be True, False or an int >= 1 (tokens per chunk), got {chunked!r}. "
                          "Fix: chunked_loss=True picks the chunk size; see docs/chunked_loss.md.")
+    _validate_budget(values)
     accumulate = values.get("accumulate", 1)
     if isinstance(accumulate, bool) or not isinstance(accumulate, numbers.Integral) or accumulate < 1:
         raise ValueError(
@@ -151,6 +155,26 @@ def _validate(values: dict[str, Any]) -> None:
     monitor = values.get("monitor")
     if monitor is not None and (isinstance(monitor, bool) or not isinstance(monitor, numbers.Integral) or monitor < 1):
         raise ValueError(f"monitor must be None or an int >= 1 (log memory every k updates), got {monitor!r}.")
+
+
+def _validate_budget(values: dict[str, Any]) -> None:
+    """``budget=`` (a size with its unit), ``margin=`` and ``budget_may_change=``; see memwrap.budget_plan."""
+    if values.get("budget") is not None:
+        from memwrap.memory.budget import parse_budget
+
+        values["budget"] = parse_budget(values["budget"], what="budget")
+    if values.get("margin") is not None:
+        from memwrap.memory.planner import Margin
+
+        Margin.parse(values["margin"])
+    may = values.get("budget_may_change") or ()
+    may = (may,) if isinstance(may, str) else may
+    allowed = ("precision", "optim")
+    if not isinstance(may, (tuple, list, set, frozenset)) or any(m not in allowed for m in may):
+        raise ValueError(f"budget_may_change={values.get('budget_may_change')!r} is not valid; give a tuple of "
+                         f"{allowed} (options the budget may choose besides the micro-batch and checkpointing), e.g. "
+                         "budget_may_change=('precision', 'optim').")
+    values["budget_may_change"] = tuple(sorted(set(may)))
 
 
 def options_from(training_args: Any) -> dict[str, Any]:

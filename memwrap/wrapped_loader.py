@@ -64,6 +64,7 @@ class WrappedLoader:
         self._resume: dict[str, Any] | None = None
         self._pass_rng: dict[str, Any] | None = None  # random states at the owning pass's start
         self._len_trusted = True
+        self.budget_plan: Any = None  # budget=: cuts each batch into one window of micro-batches (memwrap.budget_plan)
 
     @property
     def position(self) -> int:
@@ -120,7 +121,9 @@ class WrappedLoader:
     def _owning_pass(self, token: object) -> Iterator[Any]:
         self.end_of_dataloader = False
         iterator = self._start(iter_fn=lambda: iter(self.loader))
-        if self.count_items is None and self._len_trusted and _has_len(self.loader):
+        if self.budget_plan is not None:  # budget=: each batch is a window, cut into the micro-batches yielded
+            batches = self.budget_plan.split_pass(self, iterator)
+        elif self.count_items is None and self._len_trusted and _has_len(self.loader):
             batches = self._iter_by_len(iterator, token)
         else:
             batches = self._iter_lookahead(iterator, token)

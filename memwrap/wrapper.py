@@ -49,6 +49,10 @@ def wrap(*objects: Any, **options: Any) -> Any:
         2
     """
     plan = check_wrap(objects, options)
+    if plan.opts.budget is not None or options.get("margin") is not None or options.get("budget_may_change"):
+        from memwrap.budget_plan import check_budget_options
+
+        check_budget_options(plan.opts, options, plan.model, plan.optimizer, plan.loaders)
     gate = AccumulationGate(plan.opts.accumulate)
     scaler = plan.precision.make_scaler(plan.device_type)
     configure_scaler(scaler, plan.opts.scaler)  # validated in parse_options; cannot fail here
@@ -71,6 +75,12 @@ def wrap(*objects: Any, **options: Any) -> Any:
     for loader in plan.loaders:
         results[id(loader)] = _wrap_loader(loader, plan, gate)
         results[id(loader)].optimizer = wrapped_opt  # loader.end_epoch() steps the open window through it
+    if plan.opts.budget is not None:  # each batch is one window, cut at the first batch's plan (memwrap.budget_plan)
+        from memwrap.budget_plan import BudgetPlanner
+
+        planner = BudgetPlanner(wrapped_model, wrapped_opt, plan.opts, options, plan.device_type)
+        gate.varies = True
+        wrapped_opt.budget_plan = results[id(plan.loaders[0])].budget_plan = planner
     if wrapped_model is not None:
         _change_model(plan, wrapped_model)
     if wrapped_opt is not None and plan.opts.step_in_backward:  # hooks on the parameters: a change, made last

@@ -106,7 +106,22 @@ class MemoryMonitor:
         self.records: list[dict[str, Any]] = []
         self.count = 0
         self._t0 = time.perf_counter()
+        self.expected: dict[str, Any] | None = None  # the budget plan's prediction (set by expect())
         self._reset_peaks()
+
+    def expect(self, peak: int, budget: int, plan: str = "") -> None:
+        """Compare each record with a plan: its predicted peak and the budget (``wrap(budget=...)`` calls this).
+
+        Each record then carries ``predicted`` and ``budget`` and its line says how the measured peak compares.
+        On CUDA the measured figure is ``max_memory_allocated`` (what the plan predicts); on CPU it is the
+        process's peak RSS, which also counts the Python runtime and libraries, so it reads above the prediction.
+
+        Example:
+            >>> m = MemoryMonitor(log=None); m.expect(2**30, 2**31)
+            >>> m.on_update(1); m.records[0]["budget"]
+            2147483648
+        """
+        self.expected = {"predicted": int(peak), "budget": int(budget), "plan": plan}
 
     def _reset_peaks(self) -> None:
         if self.device.type == "cuda" and torch.cuda.is_available():
@@ -128,6 +143,8 @@ class MemoryMonitor:
         if update_index % self.every:
             return
         record = {"update": int(update_index), "time_s": round(time.perf_counter() - self._t0, 3), **self._read()}
+        if self.expected is not None:
+            record.update(predicted=self.expected["predicted"], budget=self.expected["budget"])
         self.records.append(record)
         self._reset_peaks()
         if self.log is not None:
@@ -139,10 +156,15 @@ class MemoryMonitor:
 
     @staticmethod
     def _line(r: dict[str, Any]) -> str:
+        plan = ""
+        if "predicted" in r:
+            measured = r.get("peak_allocated", r.get("peak_rss"))
+            plan = (f"; plan predicted {format_bytes(r['predicted'])} ({measured / max(r['predicted'], 1):.2f}x), "
+                    f"budget {format_bytes(r['budget'])} ({'within' if measured <= r['budget'] else 'OVER'})")
         if "peak_allocated" in r:
             return (f"[memwrap] update {r['update']}: peak allocated {format_bytes(r['peak_allocated'])}, "
-                    f"peak reserved {format_bytes(r['peak_reserved'])}")
-        return f"[memwrap] update {r['update']}: peak RSS {format_bytes(r['peak_rss'])}, RSS {format_bytes(r['rss'])}"
+                    f"peak reserved {format_bytes(r['peak_reserved'])}{plan}")
+        return f"[memwrap] update {r['update']}: peak RSS {format_bytes(r['peak_rss'])}, RSS {format_bytes(r['rss'])}{plan}"
 
     def summary(self) -> str:
         """A plain-text table of the records, with the overall maximum.

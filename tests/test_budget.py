@@ -1,0 +1,330 @@
+"""``wrap(model, optimizer, loader, budget=...)``: plan at the first batch, cut each batch, same maths as the big batch.
+
+References are computed the plain way: one unsplit batch per update, no memwrap. Memory is measured
+with the CPU allocator's events (as :func:`memwrap.measure_peak` does), not asserted from predictions.
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import memwrap
+from memwrap.batch_split import UncuttableBatchError, cut_batch, cut_sizes
+from memwrap.budget_plan import BudgetTooSmallError
+from memwrap.memory.measure import live_bytes
+from memwrap.models import build_preset, lm_loss
+
+GPT = dict(n_layer=2, vocab_size=512, n_embd=64, n_head=2, dropout=0.0)
+
+
+def gpt() -> nn.Module:
+    torch.manual_seed(0)
+    return build_preset("gpt2-tiny", **GPT)
+
+
+def lm_batches(count: int, batch: int, seq: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 512, (batch, seq), generator=g), torch.randint(0, 512, (batch, seq), generator=g))
+            for _ in range(count)]
+
+
+def reference(model: nn.Module, batches, loss_of, lr: float = 1e-3) -> nn.Module:
+    """Plain training: one update per unsplit batch."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    for batch in batches:
+        loss_of(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def assert_same_params(a: nn.Module, b: nn.Module, atol: float = 2e-5) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, atol=atol, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def allocator_peak(fn, *alive) -> int:
+    """Peak live CPU bytes during ``fn()``: bytes alive at the start plus the allocator's running total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()
+    baseline = live_bytes(*alive)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and str(e.device_type()).endswith("CPU"))
+    running = peak = 0
+    for _, n in events:
+        running += n
+        peak = max(peak, running)
+    return baseline + peak
+
+
+def quiet(options: dict) -> dict:
+    return options
+
+
+# --- the main claim: a batch that does not fit trains within the budget, exactly ------------------------------
+
+@pytest.mark.slow
+def test_gpt_over_budget_trains_within_it_and_equals_the_big_batch():
+    batches = lm_batches(3, 16, 64)
+    start = gpt()
+    # The unsplit batch's measured peak, as memwrap.measure_peak measures it (steady state, AdamW).
+    plain = memwrap.measure_peak(copy.deepcopy(start), batches[0], lm_loss, steps=1)["peak"]
+    budget = int(plain * 0.45)
+    model, opt = copy.deepcopy(start), None
+    inner_opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    lines = []
+    wmodel, opt, loader = memwrap.wrap(model, inner_opt, batches, budget=f"{budget}B")
+    opt.budget_plan.log = lines.append
+    it = iter(loader)
+
+    def one_update():
+        while True:
+            x, y = next(it)
+            lm_loss(wmodel(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if opt.did_update:
+                return
+
+    one_update()  # plans, applies, and creates the optimizer state
+    measured = allocator_peak(one_update, model, inner_opt, batches[1])
+    one_update()
+    choice = opt.budget_plan.current
+    assert plain > budget >= measured, (plain, budget, measured, choice)
+    assert choice.micro_batch < 16 and choice.accumulate == -(-16 // choice.micro_batch)
+    assert choice.required <= budget
+    assert opt.updates == 3 and len(lines) == 1 and "of budget" in lines[0]
+    assert loader.budget_plan is opt.budget_plan and opt.budget_plan.plan_seconds > 0
+    assert_same_params(model, reference(start, batches, lambda m, b: lm_loss(m(b[0]), b[1])))
+    # The predicted step peak is what was measured (same allocator view), within the planner's CPU accuracy.
+    assert abs(measured - (choice.peak + choice.batch_rest)) <= 0.1 * measured
+
+
+# --- batch types -----------------------------------------------------------------------------------------------
+
+class Net(nn.Module):
+    """Reads x (and optionally a second input) from any of the batch layouts below."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(6, 32)
+        self.b = nn.Linear(32, 1)
+
+    def forward(self, x, z=None, **unused):
+        h = torch.tanh(self.a(x if z is None else x + z))
+        return self.b(h).squeeze(-1)
+
+
+class FakeBatchEncoding(collections.UserDict):
+    """Hugging Face's BatchEncoding as the core sees it (a UserDict with per-sample encodings), no transformers."""
+
+    def __init__(self, data=None, encodings=None):
+        super().__init__(data or {})
+        self._encodings = encodings
+
+
+@dataclasses.dataclass
+class Sample:
+    x: torch.Tensor
+    y: torch.Tensor
+    name: str = "train"
+
+
+def _xy(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g), torch.randn(n, generator=g)
+
+
+def _layouts(n: int, seed: int) -> dict:
+    x, y = _xy(n, seed)
+    z = torch.randn(n, 6, generator=torch.Generator().manual_seed(seed + 99))
+    return {
+        "tensor": x,
+        "tuple": (x, y),
+        "list": [x, y],
+        "dict": {"x": x, "labels": y, "scale": torch.tensor(1.0), "split": "train"},
+        "batch_encoding": FakeBatchEncoding({"x": x, "labels": y}, encodings=[f"enc{i}" for i in range(n)]),
+        "dataclass": Sample(x, y),
+        "nested": {"x": x, "z": z, "extras": {"labels": (y,), "ids": [f"s{i}" for i in range(n)], "tags": ["a", "b"]}},
+    }
+
+
+def _loss(model, kind: str, batch) -> torch.Tensor:
+    if kind == "tensor":
+        out, y = model(batch), batch.sum(1)
+    elif kind in ("tuple", "list"):
+        out, y = model(batch[0]), batch[1]
+    elif kind in ("dict", "batch_encoding"):
+        out, y = model(batch["x"]), batch["labels"]
+    elif kind == "dataclass":
+        out, y = model(batch.x), batch.y
+    else:
+        out, y = model(x=batch["x"], z=batch["z"]), batch["extras"]["labels"][0]
+    return (out - y).pow(2).mean()
+
+
+@pytest.mark.parametrize("kind", ["tensor", "tuple", "list", "dict", "batch_encoding", "dataclass", "nested"])
+def test_each_batch_type_is_cut_and_trains_as_the_big_batch(kind):
+    # accumulate=3 is the user's setting (kept), so 10 samples are cut unevenly: 4 + 3 + 3, weighted 0.4/0.3/0.3.
+    batches = [_layouts(10, seed)[kind] for seed in range(3)]
+    start = Net()
+    model = copy.deepcopy(start)
+    seen = []
+    wmodel, opt, loader = memwrap.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), batches,
+                                       budget="1GiB", accumulate=3, checkpoint=None)
+    opt.budget_plan.log = None
+    for micro in loader:
+        seen.append(micro)
+        _loss(wmodel, kind, micro).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.updates == 3 and len(seen) == 9
+    assert type(seen[0]) is type(batches[0])
+    assert_same_params(model, reference(start, batches, lambda m, b: _loss(m, kind, b), lr=1e-2), atol=1e-6)
+    if kind == "nested":
+        extras = seen[0]["extras"]
+        assert extras["ids"] == ["s0", "s1", "s2", "s3"] and extras["tags"] == ["a", "b"]  # per-sample vs not
+    if kind == "batch_encoding":
+        assert seen[1]._encodings == ["enc4", "enc5", "enc6"]
+    if kind == "dict":
+        assert seen[2]["split"] == "train" and seen[2]["scale"] is batches[0]["scale"]
+
+
+def test_uneven_cuts_are_weighted_by_true_size_and_count_items():
+    sizes = cut_sizes(10, 4)
+    assert sizes == [4, 3, 3] and cut_sizes(7, 7) == [7] and cut_sizes(9, 2) == [2, 2, 2, 2, 1]
+    x, y = _xy(10, 0)
+    parts = cut_batch((x, y), sizes)
+    assert [p[0].data_ptr() for p in parts] == [x[i:].data_ptr() for i in (0, 4, 7)]  # views, no copy
+    # count_items: the loss is a sum over valid items divided by the window's valid items (the big batch's mean).
+    valid = lambda b: int((b[1] > 0).sum())  # noqa: E731
+    batches = [_xy(10, s) for s in range(3)]
+
+    def masked(model, b):
+        keep = (b[1] > 0).float()
+        return ((model(b[0]) - b[1]).pow(2) * keep).sum() / keep.sum().clamp(min=1)
+
+    start = Net()
+    model = copy.deepcopy(start)
+    wmodel, opt, loader = memwrap.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), batches,
+                                       budget="1GiB", accumulate=3, checkpoint=None, count_items=valid)
+    opt.budget_plan.log = None
+    for micro in loader:
+        masked(wmodel, micro).backward()
+        opt.step()
+        opt.zero_grad()
+    assert_same_params(model, reference(start, batches, masked, lr=1e-2), atol=1e-6)
+
+
+def test_non_per_sample_entries_pass_or_are_refused_by_name():
+    x, y = _xy(8, 0)
+    with pytest.raises(UncuttableBatchError, match=r"batch\['pos'\] is a tensor of shape \(5,\)"):
+        cut_batch({"x": x, "pos": torch.arange(5)}, [4, 4])
+    with pytest.raises(UncuttableBatchError, match="holds no tensor with a sample"):
+        cut_batch({"n": 3}, [1])
+    model = Net()
+    wmodel, opt, loader = memwrap.wrap(model, torch.optim.AdamW(model.parameters()), [["a", "b"]], budget="1GiB")
+    with pytest.raises(UncuttableBatchError, match="Fix: make the loader yield tensors"):
+        next(iter(loader))
+
+
+# --- shapes: re-plan once for a bigger shape, cached otherwise --------------------------------------------------
+
+@pytest.mark.slow
+def test_a_bigger_shape_replans_once_and_repeated_shapes_never(monkeypatch):
+    calls = []
+    real_plan = memwrap.plan
+
+    def counting_plan(*args, **kwargs):
+        calls.append(kwargs["global_batch"])
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(memwrap, "plan", counting_plan)
+    short, long = lm_batches(1, 8, 16, seed=1), lm_batches(1, 8, 64, seed=2)  # 4x the tokens per sample
+    batches = short + long + short + long + short
+    start = gpt()
+    model = copy.deepcopy(start)
+    lines = []
+    wmodel, opt, loader = memwrap.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), batches,
+                                       budget="6MiB", checkpoint=None, margin=(0.05, 0))
+    opt.budget_plan.log = lines.append
+    per_batch = []
+    for x, y in loader:
+        per_batch.append(opt.budget_plan.current.micro_batch)
+        lm_loss(wmodel(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    planner = opt.budget_plan
+    assert len(planner.plans) == 2 and len(lines) == 2  # the first batch, then the first longer one: once
+    assert planner.plans[0].shapes != planner.plans[1].shapes
+    assert planner.plans[1].micro_batch < planner.plans[0].micro_batch  # longer sequences: smaller micro-batch
+    n_calls = len(calls)
+    assert opt.updates == 5 and planner.plan_seconds > 0
+    # The short batches after the long one keep the plan in force (it covers them): no switching back and forth.
+    assert planner.current is planner.plans[1]
+    assert_same_params(model, reference(start, batches, lambda m, b: lm_loss(m(b[0]), b[1])))
+    assert n_calls == len(calls)
+
+
+# --- bad input ---------------------------------------------------------------------------------------------------
+
+def _setup():
+    model = Net()
+    return model, torch.optim.AdamW(model.parameters()), [_xy(8, 0)]
+
+
+@pytest.mark.parametrize("budget, match", [
+    ("22", "has no unit"), (24, "read as 24 bytes"), ("-1GiB", "cannot read budget"), (0, "must be positive"),
+    ("1KiB", "smaller than the model's parameters alone"),
+])
+def test_bad_budgets_are_refused_before_anything_changes(budget, match):
+    model, opt, loader = _setup()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=match):
+        memwrap.wrap(model, opt, loader, budget=budget)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_budget_needs_a_loader_and_margin_needs_a_budget():
+    model, opt, loader = _setup()
+    with pytest.raises(ValueError, match=r"no loader was given.*memwrap.wrap\(model, optimizer, loader"):
+        memwrap.wrap(model, opt, budget="1GiB")
+    with pytest.raises(ValueError, match="margin= applies to budget="):
+        memwrap.wrap(model, opt, loader, margin=0.1)
+    with pytest.raises(ValueError, match="budget_may_change=.*is not valid"):
+        memwrap.wrap(model, opt, loader, budget="1GiB", budget_may_change=("batch",))
+    with pytest.raises(ValueError, match="an option you set stays as set"):
+        memwrap.wrap(model, opt, loader, budget="1GiB", precision="bf16", budget_may_change=("precision",))
+
+
+def test_accumulate_that_contradicts_the_budget_is_refused_before_any_step():
+    batches = lm_batches(2, 16, 64)
+    model = gpt()
+    wmodel, opt, loader = memwrap.wrap(model, torch.optim.AdamW(model.parameters()), batches, budget="6MiB",
+                                       accumulate=1, checkpoint=None, margin=(0.05, 0))
+    with pytest.raises(ValueError, match="accumulate=1 contradicts budget=6.00 MiB.*Fix: drop accumulate="):
+        next(iter(loader))
+    assert opt.updates == 0 and all(p.grad is None for p in model.parameters())
+
+
+def test_a_batch_that_fits_at_no_micro_batch_says_the_smallest_budget_that_works():
+    batches = lm_batches(1, 4, 64)
+    model = gpt()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    wmodel, opt, loader = memwrap.wrap(model, torch.optim.AdamW(model.parameters()), batches,
+                                       budget=f"{params + 4096}B", checkpoint=None)
+    with pytest.raises(BudgetTooSmallError, match=r"even at micro-batch 1.*Smallest budget that works: .*"
+                                                   r"budget='\d+MiB'.*budget_may_change"):
+        next(iter(loader))
+    assert opt.updates == 0
