@@ -81,12 +81,15 @@ def wrap(*objects: Any, **options: Any) -> Any:
         planner = BudgetPlanner(wrapped_model, wrapped_opt, plan.opts, options, plan.device_type)
         gate.varies = True
         wrapped_opt.budget_plan = results[id(plan.loaders[0])].budget_plan = planner
-    if wrapped_model is not None:
-        _change_model(plan, wrapped_model)
-    if wrapped_opt is not None and plan.opts.step_in_backward:  # hooks on the parameters: a change, made last
-        from memwrap.step_in_backward import StepInBackward
+    # The changes to the user's objects come last; if one fails, those before it are undone (newest first).
+    with contextlib.ExitStack() as undo:
+        if wrapped_model is not None:
+            _change_model(plan, wrapped_model, undo)
+        if wrapped_opt is not None and plan.opts.step_in_backward:  # hooks on the parameters: a change, made last
+            from memwrap.step_in_backward import StepInBackward
 
-        wrapped_opt.step_in_backward = StepInBackward(wrapped_opt, plan.model)
+            wrapped_opt.step_in_backward = StepInBackward(wrapped_opt, plan.model)
+        undo.pop_all()  # all done: keep every change
     ordered = tuple(results[id(obj)] for obj in objects)
     return ordered[0] if len(ordered) == 1 else ordered
 
@@ -176,23 +179,21 @@ def _monitor(plan: WrapPlan) -> Any:
     return MemoryMonitor(every=plan.opts.monitor)
 
 
-def _change_model(plan: WrapPlan, wrapped: WrappedModule) -> None:
+def _change_model(plan: WrapPlan, wrapped: WrappedModule, undo: contextlib.ExitStack) -> None:
     """Checkpoint the model, switch on the precision's process-wide settings and convert its parameters.
 
-    The only changes ``wrap()`` makes to the user's objects, made last; if one fails, those before it are
-    undone (newest first). Converting the parameters' dtype comes last because it cannot be undone exactly.
+    Each change registers its undo on ``undo``, which ``wrap()`` runs if a later step fails. Converting
+    the parameters' dtype comes last because it cannot be undone exactly.
     """
     from memwrap.checkpointing import apply_checkpointing, current_report, remove_checkpointing
 
     target = checkpoint_target(plan.model)
-    with contextlib.ExitStack() as undo:
-        if plan.checkpoint is not None:
-            undo.callback(remove_checkpointing, target)  # also undoes a partial application
-            apply_checkpointing(target, **plan.checkpoint)
-        undo.callback(plan.precision.restore)
-        plan.precision.enable()
-        plan.precision.convert_module(plan.model)
-        undo.pop_all()  # all done: keep every change
+    if plan.checkpoint is not None:
+        undo.callback(remove_checkpointing, target)  # also undoes a partial application
+        apply_checkpointing(target, **plan.checkpoint)
+    undo.callback(plan.precision.restore)
+    plan.precision.enable()
+    plan.precision.convert_module(plan.model)
     # Plain attributes (not part of state_dict). The report also shows checkpointing applied before wrap();
     # unwrap() removes only what this call applied.
     object.__setattr__(wrapped, "checkpoint_report", current_report(target))

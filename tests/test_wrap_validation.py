@@ -150,7 +150,8 @@ def test_a_refused_wrap_changes_nothing_and_a_retry_is_a_first_call(case, matmul
         assert_same(before, snapshot(model, opt))
 
 
-@pytest.mark.parametrize("failing", ["WrappedModule", "WrappedOptimizer", "apply_checkpointing", "convert_module"])
+@pytest.mark.parametrize("failing", ["WrappedModule", "WrappedOptimizer", "apply_checkpointing", "convert_module",
+                                     "StepInBackward"])
 def test_a_failure_after_the_checks_is_rolled_back(failing, matmul_highest, monkeypatch):
     """What cannot be checked beforehand (a constructor, checkpointing half applied, a precision's conversion)
     leaves nothing behind either: checkpoint hooks, TF32 and the KV-cache flag are undone."""
@@ -172,10 +173,12 @@ def test_a_failure_after_the_checks_is_rolled_back(failing, matmul_highest, monk
             patch.setattr(memwrap.checkpointing, failing, half_applied)
         elif failing == "convert_module":
             patch.setattr(type(memwrap.precision.get_precision("tf32")), failing, boom)
+        elif failing == "StepInBackward":  # hooks on the parameters, set up after the model's changes
+            patch.setattr("memwrap.step_in_backward.StepInBackward", boom)
         else:
             patch.setattr(memwrap.wrapper, failing, boom)
         with pytest.raises(RuntimeError, match="injected failure"):
-            memwrap.wrap(model, opt, accumulate=2, **CHANGING)
+            memwrap.wrap(model, opt, accumulate=2, step_in_backward=failing == "StepInBackward", **CHANGING)
     assert_same(before, snapshot(model, opt))
     m, o = memwrap.wrap(model, opt, accumulate=2, **CHANGING)  # the retry works and is undone by unwrap
     assert len(m.checkpoint_report.modules) == 3
