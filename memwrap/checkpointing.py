@@ -190,6 +190,7 @@ def resolve_policy(policy, every, mode, offload) -> tuple[object, int, str, bool
     Example: ``resolve_policy("auto", 1, "full", False) == ("auto", 1, "full", False)``.
     """
     if isinstance(policy, str) and policy != "auto":
+        check_policy_name(policy)  # two plugins defining this name: say which, not "not known"
         named = plugin_policies()
         if policy not in named:
             valid = ["auto"] + sorted(named)
@@ -198,7 +199,6 @@ def resolve_policy(policy, every, mode, offload) -> tuple[object, int, str, bool
                              f"(Shorthands like 'selective' or 'every-2' belong to wrap(checkpoint=...).)")
         found = named[policy]
         if isinstance(found, dict):
-        check_policy_name(policy)  # two plugins defining this name: say which, not "not known"
             kw = parse_checkpoint_option(found)
             # Arguments passed explicitly (non-default) win over the plugin's.
             return (kw["policy"], every if every != 1 else kw.get("every", 1),
