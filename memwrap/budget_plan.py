@@ -28,6 +28,8 @@ from typing import Any
 import torch
 
 from memwrap.batch_split import batch_size, cut_batch, describe_shapes, for_planner, split_even
+from memwrap.budget_checks import check_budget_options, optimizer_name, user_set
+from memwrap.budget_ranks import agree_any, agree_max, agree_plan, world
 from memwrap.memory.budget import format_bytes
 
 __all__ = ["BudgetChoice", "BudgetPlanner", "BudgetTooSmallError", "MAY_CHANGE", "check_budget_options"]
@@ -86,63 +88,6 @@ class BudgetChoice:
                 "plan_seconds": self.plan_seconds, "proposed": self.proposed}
 
 
-def check_budget_options(opts: Any, raw: dict[str, Any], model: Any, optimizer: Any, loaders: list) -> None:
-    """wrap()'s checks of ``budget=``, ``margin=``, ``budget_may_change=`` (read only; raise naming the fix)."""
-    if opts.budget is None:
-        for name in ("margin", "budget_may_change"):
-            if getattr(opts, name) not in (None, ()):
-                raise ValueError(f"{name}= applies to budget=, which was not given. Fix: add budget='22GiB' (the "
-                                 f"memory one device may use) or drop {name}=.")
-        return
-    if model is None or optimizer is None or not loaders:
-        missing = [n for n, o in (("model", model), ("optimizer", optimizer), ("loader", loaders or None)) if o is None]
-        raise ValueError(f"budget= plans the micro-batch from the loader's batches and cuts them for the model and "
-                         f"the optimizer, but no {' or '.join(missing)} was given. Fix: memwrap.wrap(model, optimizer, "
-                         f"loader, budget=...).")
-    set_by_user = user_set(raw)
-    for name in opts.budget_may_change:
-        if name in set_by_user:
-            raise ValueError(f"budget_may_change includes {name!r} but {name}={getattr(opts, name)!r} was given: an "
-                             f"option you set stays as set. Fix: drop {name}= to let the budget choose it, or drop "
-                             f"{name!r} from budget_may_change.")
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    if params >= opts.budget:
-        raise ValueError(f"budget={format_bytes(opts.budget)} is smaller than the model's parameters alone "
-                         f"({format_bytes(params)}); no micro-batch can fit. Fix: a budget above "
-                         f"{format_bytes(params)} plus gradients and optimizer state (typically 4x the parameters for "
-                         f"AdamW in fp32), or shard the model (FSDP2; see `memwrap plan --world-size`).")
-
-
-def user_set(raw: dict[str, Any]) -> set[str]:
-    """The wrap() options the user gave (memwrap names; Hugging Face aliases mapped to them)."""
-    aliases = {"gradient_accumulation_steps": "accumulate", "fp16": "precision", "bf16": "precision",
-               "tf32": "precision", "gradient_checkpointing": "checkpoint", "activation_checkpointing": "checkpoint"}
-    out = set()
-    for k, v in raw.items():
-        if k in aliases:
-            if v:
-                out.add(aliases[k])
-        else:
-            out.add(k)
-    return out
-
-
-def _optimizer_name(optimizer: torch.optim.Optimizer, opts: Any) -> str:
-    """The registry name that traces like the user's optimizer (its state is what the plan must count)."""
-    from memwrap.registry import get_optimizer_spec
-
-    if opts.optim is not None:
-        return get_optimizer_spec(opts.optim).name
-    inner = getattr(optimizer, "optimizer", optimizer)
-    name = type(inner).__name__.lower()
-    for guess in (name, {"adam": "adamw"}.get(name)):
-        try:
-            return get_optimizer_spec(guess).name if guess else "adamw"
-        except ValueError:
-            continue
-    return "adamw"  # two fp32 states per parameter: the common, and a conservative, guess
-
-
 class BudgetPlanner:
     """Plans per batch shape, applies the plan, and cuts batches into micro-batches (see the module docstring).
 
@@ -163,7 +108,7 @@ class BudgetPlanner:
         # covers those) would be memory that does not exist, so the default keeps only the fractional part.
         default = Margin() if device_type == "cuda" else Margin(Margin().fraction, 0)
         self.margin = Margin.parse(opts.margin) if opts.margin is not None else default
-        self.optim_name = _optimizer_name(optimizer, opts)
+        self.optim_name = optimizer_name(optimizer, opts)
         self.log = log
         self.plans: list[BudgetChoice] = []
         self.history: list[BudgetChoice] = []
@@ -205,11 +150,11 @@ class BudgetPlanner:
         n = batch_size(batch)
         shapes = describe_shapes(batch)
         choice = self._covering(n, shapes)
-        if _agree_any(choice is None):
+        if agree_any(choice is None):
             choice = self._new_plan(batch, n, shapes, choice)
         self._apply(choice)
         count = self._count(n, choice)
-        count = _agree_max(count)
+        count = agree_max(count)
         if count > n:
             raise ValueError(f"this rank's batch has {n} samples but the ranks agreed on {count} micro-batches per "
                              "window. Fix: give every rank batches of the same size (drop_last=True).")
@@ -246,7 +191,7 @@ class BudgetPlanner:
         start = time.perf_counter()
         if local is None:
             local = self._search(batch, n, shapes)
-        choice = _agree_plan(local, lambda m: self._search(batch, n, shapes, only=m))
+        choice = agree_plan(local, lambda m: self._search(batch, n, shapes, only=m))
         choice.proposed = local.micro_batch
         choice.plan_seconds = time.perf_counter() - start
         self.plan_seconds += choice.plan_seconds
@@ -294,7 +239,7 @@ class BudgetPlanner:
         # Under DDP each rank's step also holds DDP's gradient buckets: plan one rank of a DDP run. (An FSDP2 model is
         # planned as one process holding whole parameters: an over-estimate, so the plan stays on the safe side.)
         ddp = isinstance(self.model.module, torch.nn.parallel.DistributedDataParallel)
-        ranks, strategy = (_world(), "ddp") if ddp and _world() > 1 else (1, None)
+        ranks, strategy = (world(), "ddp") if ddp and world() > 1 else (1, None)
         tried = []
         start = time.perf_counter()
         for m in sizes:
@@ -446,39 +391,3 @@ def _tensor_bytes(batch: Any, device: torch.device) -> int:
             seen.add(st.data_ptr())
             total += t.numel() * t.element_size()
     return total
-
-
-# --- ranks ---------------------------------------------------------------------------------
-def _world() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _agree_any(flag: bool) -> bool:
-    """True on every rank when it is True on any (a rank with a new shape makes all ranks plan together)."""
-    if _world() == 1:
-        return flag
-    return _agree_max(int(flag)) > 0
-
-
-def _agree_max(value: int) -> int:
-    if _world() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=_collective_device())
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return int(t.item())
-
-
-def _agree_plan(local: BudgetChoice, search_at: Callable[[int], BudgetChoice]) -> BudgetChoice:
-    """Every rank adopts the smallest micro-batch any rank chose (all_reduce MIN), and the setting found for it."""
-    if _world() == 1:
-        return local
-    t = torch.tensor([local.micro_batch], dtype=torch.int64, device=_collective_device())
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
-    agreed = int(t.item())
-    return local if agreed == local.micro_batch else search_at(agreed)
-
-
-def _collective_device() -> torch.device:
-    backend = torch.distributed.get_backend()
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

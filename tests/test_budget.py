@@ -328,3 +328,24 @@ def test_a_batch_that_fits_at_no_micro_batch_says_the_smallest_budget_that_works
                                                    r"budget='\d+MiB'.*budget_may_change"):
         next(iter(loader))
     assert opt.updates == 0
+
+
+# --- ranks: one plan for all ---------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+def test_two_ranks_under_torchrun_adopt_the_most_conservative_plan(tmp_path):
+    import json
+
+    from test_distributed import ROOT, torchrun
+
+    torchrun(ROOT / "tests" / "budget_worker.py", str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        assert "error" not in r, r.get("traceback")
+    # Alone, rank 0 (short sequences) would take a bigger micro-batch than rank 1; both use rank 1's.
+    assert ranks[0]["proposed"] > ranks[1]["proposed"]
+    assert ranks[0]["micro_batch"] == ranks[1]["micro_batch"] == ranks[1]["proposed"] < 16
+    assert ranks[0]["micro"] == ranks[1]["micro"] == 2 * ranks[0]["accumulate"]
+    assert all(r["updates"] == 2 and r["plans"] == 1 for r in ranks)
+    assert max(r["diff"] for r in ranks) < 1e-6  # the DDP mean of both ranks' big batches, exactly
