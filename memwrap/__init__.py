@@ -25,6 +25,7 @@ _EXPORTS = {
     "get_plugin_manager": "memwrap.plugins",
     "create_optimizer": "memwrap.registry",
     "optimizers": "memwrap.registry",
+    "precisions": "memwrap.precision",
     "OptimizerSpec": "memwrap.registry",
     "convert_optimizer": "memwrap.registry",
     "find_blocks": "memwrap.checkpointing",

@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import warnings
 from typing import Any
 
@@ -127,9 +128,16 @@ class BF16True(AutocastPrecision):
 
     # -- actions -----------------------------------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:
-        # nn.Module.to changes parameter data in place: the optimizer's parameter objects and the
-        # state_dict keys stay; buffers (e.g. BatchNorm statistics) become bf16 too.
-        return module.to(torch.bfloat16)
+        # In place, tensor by tensor: the optimizer's parameter objects and the state_dict keys stay, buffers (e.g.
+        # BatchNorm statistics) become bf16 too, and it works on the planner's fake parameters, which
+        # nn.Module.to cannot swap.
+        with torch.no_grad():
+            for t in itertools.chain(module.parameters(), module.buffers()):
+                if t.is_floating_point() and t.dtype != torch.bfloat16:
+                    t.data = t.data.to(torch.bfloat16)
+                    if t.grad is not None:
+                        t.grad = t.grad.to(torch.bfloat16)
+        return module
 
     def convert_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module | None = None, *,
                           step_in_backward: bool = False) -> torch.optim.Optimizer:

@@ -168,3 +168,27 @@ def test_optim_option_then_bf16_true():
     model = net()
     with pytest.raises(ValueError, match="no 'kahan'-compensated equivalent"):
         memwrap.wrap(model, torch.optim.AdamW(model.parameters()), optim="adafactor", precision="bf16-true")
+
+
+def test_conversion_runs_on_fake_tensors_for_the_planner():
+    # The planner traces a step on fake parameters: the bf16 conversion and the Kahan step must run there too.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memwrap.memory.trace import fake_model
+    from memwrap.precision import get_precision
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = fake_model(net(), mode, torch.device("cpu"))
+    with mode, warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConversionWarning)
+        precision = get_precision("bf16-true")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        assert precision.check_optimizer(opt)
+        opt = precision.convert_optimizer(opt, model)
+        precision.convert_module(model)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+    state = opt.state[model[0].weight]
+    assert {state[k].dtype for k in ("exp_avg", "exp_avg_sq", "kahan_comp")} == {torch.bfloat16}
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
