@@ -101,6 +101,27 @@ def check_bnb_8bit(s: Setup) -> dict:
             "bnb_version": bitsandbytes.__version__, "step_s": step_s}
 
 
+def check_hf_optimizers_cuda(s: Setup) -> dict:
+    """The Hugging Face optimizers whose kernels need CUDA (AdaLomo, GaLore 8-bit, bitsandbytes' 32-bit AdEMAMix)
+    and the paged ones with real paging: tests/test_hf_optimizers.py against Trainer's own, on the GPU."""
+    import importlib.util
+
+    missing = [m for m in ("pytest", "transformers", "bitsandbytes", "galore_torch", "lomo_optim")
+               if importlib.util.find_spec(m) is None]
+    if missing or s.dry:
+        return {"status": "skipped", "reason": f"not installed: {missing}" if missing else "needs CUDA (dry run)"}
+    import pytest
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    names = ["adalomo", "galore_adamw_8bit", "galore_adamw_8bit_layerwise", "ademamix", "paged_ademamix_32bit",
+             "paged_adamw_8bit", "paged_adamw_32bit", "paged_lion_8bit"]
+    expr = " or ".join(f"[{n}]" for n in names)
+    code = pytest.main(["-q", "-p", "no:cacheprovider", str(root / "tests" / "test_hf_optimizers.py"), "-k",
+                        f"(same_maths or conformance_kit) and ({expr})"])
+    expect(code == 0, f"tests/test_hf_optimizers.py on CUDA exited {code}")
+    return {"names": names, "pytest_exit": int(code)}
+
+
 def check_offload(s: Setup) -> dict:
     x, y = s.batches(1, s.batch)[0]
     res, grads = {}, {}
@@ -268,6 +289,7 @@ CHECKS: dict[str, tuple[Callable[[Setup], dict], bool]] = {  # name -> (function
     "bf16": (check_bf16, True),
     "tf32": (check_tf32, True),
     "bnb_8bit": (check_bnb_8bit, True),
+    "hf_optimizers_cuda": (check_hf_optimizers_cuda, True),
     "offload_checkpointing": (check_offload, True),
     "planner_vs_cuda": (check_planner_vs_cuda, True),
     "wrapped_vs_handwritten": (check_wrapped_vs_handwritten, True),

@@ -185,9 +185,10 @@ def memwrap_trainer_kwargs(model: nn.Module, args: Any = None, *, optim: str | N
             to it now, in place.
         args: the ``TrainingArguments`` (required): ``learning_rate``, Adam betas/epsilon and the
             default ``optim``; checked for conflicts with ``checkpoint``.
-        optim: memwrap optimizer name or alias. Default: ``args.optim`` when memwrap builds exactly
-            Trainer's optimizer for it (``adamw_torch``, ``adamw_torch_fused``, ``adamw_bnb_8bit``/
-            ``adamw_8bit``, ``paged_adamw_8bit``, ``lion_8bit``); for any other ``args.optim``
+        optim: memwrap optimizer name or alias. Default: ``args.optim``, taken over for every Hugging Face
+            name whose plugin says how Trainer builds it (``OptimizerSpec.trainer_kwargs``: all of
+            ``OptimizerNames`` but ``adamw_anyprecision``, see docs/optimizers.md), with Trainer's
+            hyperparameters (``optim_args``, ``optim_target_modules`` included); for any other ``args.optim``
             Trainer keeps its own optimizer (one warning says so) and only checkpointing is applied.
         checkpoint: a memwrap checkpoint option (``"auto"``, ``"selective"``, ``"every-2"``, a class set, ...);
             ``None`` leaves checkpointing alone. Needs ``gradient_checkpointing=False``
