@@ -41,7 +41,9 @@ def low_rank_groups(optimizer_name: str, params: Any, model: nn.Module, target_m
     if target_modules is None:
         raise ValueError(f"{optimizer_name} needs target modules: the nn.Linear layers whose gradients get low-rank "
                          "projections. Fix: target_modules=['attn', 'mlp'] (module names or regexes) or "
-                         "'all-linear' (Trainer: TrainingArguments(optim_target_modules=...)).")
+                         "'all-linear' (Trainer: TrainingArguments(optim_target_modules=...)). wrap(optim=...) cannot "
+                         f"pass them: build it with memwrap.create_optimizer({optimizer_name!r}, model, "
+                         "target_modules=..., lr=...) and give that optimizer to wrap() without optim=.")
     if not isinstance(target_modules, (list, tuple, str)):
         raise TypeError(f"{optimizer_name}: target_modules must be a list of names, a regex string or 'all-linear', "
                         f"got {target_modules!r}")

@@ -105,12 +105,26 @@ def _refuse_cpu_matrices(class_name: str, params) -> None:
                          "path fails on 2-D parameters). Fix: run it on a CUDA GPU, or use ademamix_8bit on CPU.")
 
 
+def _refuse_cpu_paging(class_name: str, params) -> None:
+    # bitsandbytes' paged AdEMAMix allocates its double state buffer with CUDA paging for tensors of 1e5+ values
+    # without the CPU fallback its other paged optimizers have (bitsandbytes 0.50), and fails there.
+    from ._common import tensors_of
+
+    if any(t.device.type == "cpu" and t.numel() >= 100_000 for t in tensors_of(params)):
+        raise ValueError(f"bitsandbytes' {class_name} cannot page its state on CPU (tensors of 100000+ values fail: no "
+                         "CPU fallback in bitsandbytes 0.50). Fix: run it on a CUDA GPU, or use ademamix_8bit on CPU "
+                         "(the same maths; paging only exists on CUDA anyway).")
+
+
 def _factory(class_name: str, cpu_matrices: bool = True):
     def factory(params, **hp) -> torch.optim.Optimizer:
         bnb = _bnb()
         if not cpu_matrices:
             params = list(params)
             _refuse_cpu_matrices(class_name, params)
+        if class_name.startswith("PagedAdEMAMix"):
+            params = list(params)
+            _refuse_cpu_paging(class_name, params)
         optimizer = getattr(bnb.optim, class_name)(params, **hp)
         optimizer.mng = _private_manager(bnb)
         return optimizer

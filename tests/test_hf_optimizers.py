@@ -316,6 +316,9 @@ def test_low_rank_without_target_modules_names_the_fix(tmp_path, name):
         create_optimizer(name, Tiny(), lr=1e-3, target_modules=["attention"])
     with pytest.raises(ValueError, match="needs the model"):
         create_optimizer(name, Tiny().parameters(), lr=1e-3, target_modules="all-linear")
+    model = Tiny()
+    with pytest.raises(ValueError, match=r"wrap\(optim=...\) cannot pass them.*create_optimizer"):
+        memwrap.wrap(model, torch.optim.AdamW(model.parameters()), optim=name)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for CPU runs")
@@ -325,6 +328,13 @@ def test_gpu_only_optimizers_on_a_cpu_run_name_the_fix(name):
     with pytest.raises(ValueError, match="Fix") as err:
         create_optimizer(name, Tiny(), lr=1e-3, **kw)
     assert "CUDA" in str(err.value) or "GPU" in str(err.value)
+
+
+def test_paged_ademamix_on_cpu_refuses_what_bitsandbytes_cannot_page():
+    pytest.importorskip("bitsandbytes")
+    with pytest.raises(ValueError, match="cannot page its state on CPU.*Fix"):
+        create_optimizer("paged_ademamix_8bit", [nn.Parameter(torch.zeros(100_000))], lr=1e-3)
+    create_optimizer("paged_ademamix_8bit", [nn.Parameter(torch.zeros(99_999))], lr=1e-3)  # below: no paging
 
 
 @pytest.mark.parametrize("options", [dict(accumulate=2), dict(max_grad_norm=1.0), dict(precision="fp16")],
