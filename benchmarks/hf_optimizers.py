@@ -8,7 +8,7 @@ backward and step on a fixed batch, and its state is measured (unique storages o
 GPU kernel is absent are listed as such. Only memory is reported: the CPU step times of these
 libraries say nothing about their GPU speed.
 
-Run:  python benchmarks/hf_optimizers.py [--layers 2] [--width 256]
+Run:  python benchmarks/hf_optimizers.py [--layers 2] [--width 256] [--names galore_adamw ...]
 Writes docs/benchmarks/hf_optimizers.json and prints the table used in docs/optimizers.md.
 """
 from __future__ import annotations
@@ -84,7 +84,13 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "python": platform.python_version(), "layers": args.layers,
             "width": args.width, "vocab": 50257, "batch": list(ids.shape)}
-    (OUT / "hf_optimizers.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    path = OUT / "hf_optimizers.json"
+    if args.names != NAMES and path.is_file():  # a partial rerun replaces its rows, keeps the others
+        old = json.loads(path.read_text())
+        if old["meta"] == meta:
+            fresh = {r["name"]: r for r in rows}
+            rows = [fresh.pop(r["name"], r) for r in old["rows"]] + list(fresh.values())
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
 def _line(row: dict) -> str:

@@ -48,9 +48,12 @@ def low_rank_groups(optimizer_name: str, params: Any, model: nn.Module, target_m
         raise TypeError(f"{optimizer_name}: target_modules must be a list of names, a regex string or 'all-linear', "
                         f"got {target_modules!r}")
     all_linear = isinstance(target_modules, str) and target_modules.replace("_", "-") == "all-linear"
-    targets = {id(m.weight) for n, m in model.named_modules()
-               if isinstance(m, nn.Linear) and (all_linear or is_target(target_modules, n))}
-    if not targets:
+    # By name, as Trainer does: a weight tied to an earlier parameter (an LM head tied to the embedding) is listed
+    # under that parameter's name by named_parameters(), so it is not a target.
+    names = {f"{n}.weight" for n, m in model.named_modules()
+             if isinstance(m, nn.Linear) and (all_linear or is_target(target_modules, n))}
+    targets = {id(p) for n, p in model.named_parameters() if n in names}
+    if not names:
         raise ValueError(f"{optimizer_name}: no nn.Linear layer of the model matches target_modules={target_modules!r}."
                          " Fix: name some of them (see model.named_modules()) or use 'all-linear'.")
     if isinstance(params, nn.Module):

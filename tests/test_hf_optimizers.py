@@ -478,3 +478,17 @@ def test_trainer_trains_with_memwrap_optimizer_exactly_as_with_its_own(tmp_path,
     ours, theirs = train(True), train(False)
     for (pname, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
         torch.testing.assert_close(p, q, msg=f"{name}: {pname}", **EXACT)
+
+
+def test_a_tied_head_is_not_a_low_rank_target_as_in_trainer(tmp_path):
+    """Trainer picks targets by parameter name, so a head tied to the embedding stays a plain parameter."""
+    from transformers import Trainer
+
+    model = Tiny()
+    model.head = nn.Linear(64, 64, bias=False)
+    model.head.weight = model.embed.weight
+    args = hf_args(tmp_path, optim="galore_adamw", optim_target_modules="all-linear")
+    _, theirs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    ours = create_optimizer("galore_adamw", model, target_modules="all-linear")
+    assert [len(g["params"]) for g in ours.param_groups] == [len(g["params"]) for g in theirs["params"]]
+    assert model.embed.weight in ours.param_groups[0]["params"]
