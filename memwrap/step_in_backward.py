@@ -32,7 +32,9 @@ What is refused at ``wrap()``, each with the fix: a closure-based optimizer (LBF
 global norm (``max_grad_norm``: the norm needs every gradient before the first update); fp16 loss
 scaling (its non-finite check must see every gradient before any parameter changes); DDP/FSDP2
 (a gradient is final only after its reduction, which the hook precedes); a torch-optimi optimizer
-built without ``gradient_release=True``.
+built without ``gradient_release=True``; an optimizer from a library not known to keep all its
+state per parameter (:data:`PER_PARAMETER_FAMILIES`). A view whose step changes its group (a
+per-group counter) raises at once rather than count once per parameter.
 
 A non-finite gradient cannot skip the whole update (earlier parameters have stepped by the time a
 later one is seen): that parameter alone is not updated, and ``step()`` warns naming how many were
@@ -52,8 +54,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["StepInBackward", "check_step_in_backward", "gradient_bytes_held"]
+__all__ = ["StepInBackward", "check_step_in_backward", "gradient_bytes_held", "PER_PARAMETER_FAMILIES"]
 
 
 def check_step_in_backward(model: nn.Module | None, optimizer: torch.optim.Optimizer | None, opts: Any,
@@ -94,11 +97,24 @@ def check_step_in_backward(model: nn.Module | None, optimizer: torch.optim.Optim
             "all-reduce / reduce-scatter, and the post-accumulate hook fires before it, so each rank would step with "
             "its local gradient. Fix: drop step_in_backward under data parallelism (FSDP2 already shards the "
             "gradients), or train on one device.")
+    family = type(optimizer).__module__.split(".")[0]
+    if family not in PER_PARAMETER_FAMILIES:
+        raise ValueError(
+            f"step_in_backward=True with {family}.{name}: memwrap steps one parameter at a time, which equals the "
+            "ordinary step only for optimizers whose update of a parameter depends on that parameter's gradient and "
+            f"state alone, with no per-group counters; {family}'s optimizers are not known to be such (known: "
+            f"{', '.join(sorted(PER_PARAMETER_FAMILIES))}). Fix: use one of those (torch.optim.AdamW, a bitsandbytes "
+            "8-bit optimizer, Adafactor, torch-optimi with gradient_release=True, ...), or drop step_in_backward.")
     if _is_optimi(optimizer) and not optimizer.defaults.get("gradient_release"):
         raise ValueError(
             f"step_in_backward=True with optimi.{name} built without gradient_release=True: optimi steps one parameter "
             f"at a time only in that mode (it keeps a step count per parameter). Fix: optimi.{name}(..., "
             "gradient_release=True), or drop step_in_backward.")
+
+
+# Libraries whose optimizers keep all state per parameter (none counts steps per group or couples parameters inside
+# step(), LBFGS aside): stepping one parameter at a time is exactly their ordinary step.
+PER_PARAMETER_FAMILIES = frozenset({"torch", "bitsandbytes", "transformers", "optimi", "torchao"})
 
 
 def _is_optimi(optimizer: torch.optim.Optimizer) -> bool:
@@ -161,7 +177,8 @@ class StepInBackward:
         grad = param.grad
         if grad is None:
             return
-        if not bool(torch.isfinite(grad).all()):
+        # The planner traces this step on fake tensors, which carry no values to check (as WrappedOptimizer does).
+        if not is_fake(grad) and not bool(torch.isfinite(grad).all()):
             self._nonfinite.append(self._name(param))
         else:
             with torch.no_grad():
@@ -225,9 +242,16 @@ class _ViewStep:
 
     def step(self) -> None:
         group = self.optimizer.param_groups[self.index]  # the live group: load_state_dict and schedulers change it
-        self.view.param_groups = [{**group, "params": [self.param]}]
+        view_group = {**group, "params": [self.param]}
+        self.view.param_groups = [view_group]
         self.view.state = self.optimizer.state
         self.view.step()
+        changed = [k for k, v in view_group.items() if k != "params" and (k not in group or group[k] is not v)]
+        if changed:  # a per-group counter: stepping per parameter would count it once per parameter
+            raise RuntimeError(
+                f"step_in_backward: {type(self.optimizer).__name__}.step() changed its parameter group's {changed}, so "
+                "it keeps per-group state and cannot be stepped one parameter at a time exactly. Fix: "
+                "step_in_backward=False for this optimizer.")
 
 
 class _ById:

@@ -28,14 +28,14 @@ def make(name, model, **hp):
     return _quiet(memwrap.create_optimizer, name, model, lr=1e-2, **hp)
 
 
-def run(name, step_in_backward, *, accumulate=1, updates=4, hp=None, sched=False, seed=0):
+def run(name, step_in_backward, *, accumulate=1, updates=4, hp=None, sched=False, seed=0, device="cpu"):
     torch.manual_seed(seed)
-    model = RegressionModel()
+    model = RegressionModel().to(device)
     opt = make(name, model, **(hp or {}))
     objs = [model, opt] + ([torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)] if sched else [])
     wrapped = _quiet(memwrap.wrap, *objs, accumulate=accumulate, step_in_backward=step_in_backward)
     m, o = wrapped[0], wrapped[1]
-    ids, y = regression_batch(n=24 * accumulate, seed=seed)
+    ids, y = regression_batch(n=24 * accumulate, seed=seed, device=device)
     for _ in range(updates):
         for ids_mb, y_mb in zip(ids.chunk(accumulate), y.chunk(accumulate)):
             F.mse_loss(m(ids_mb), y_mb).backward()
@@ -56,6 +56,17 @@ def test_accumulate_1_equals_the_ordinary_step(name):
     assert isinstance(got_opt, torch.optim.Optimizer) and got_opt.updates == ref_opt.updates == 4
     for (pname, a), b in zip(ref.named_parameters(), got.parameters()):
         assert torch.equal(a, b), (name, pname, (a - b).abs().max().item())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["adamw", "adamw_8bit", "paged_adamw_8bit", "lion_8bit", "optimi_adamw"])
+def test_accumulate_1_equals_the_ordinary_step_on_cuda(name):
+    # CUDA kernels: torch's fused AdamW, bitsandbytes' 8-bit and paged kernels, torch-optimi's Triton kernels.
+    ref, _ = run(name, False, device="cuda")
+    got, _ = run(name, True, device="cuda")
+    for a, b in zip(ref.parameters(), got.parameters()):
+        assert torch.equal(a, b), (name, (a - b).abs().max().item())
 
 
 @pytest.mark.parametrize("name", ["adamw", "torch_adafactor", "adamw_8bit"])
@@ -307,3 +318,29 @@ def test_planner_helper_counts_one_gradient_at_a_time():
     assert gradient_bytes_held(sizes, 1) == max(sizes)
     assert gradient_bytes_held(sizes, 4) == sum(sizes)
     assert copy.copy(sizes) == sizes
+
+
+def test_optimizers_not_known_to_be_per_parameter_are_refused():
+    schedulefree = pytest.importorskip("schedulefree")
+    model = RegressionModel()
+    with pytest.raises(ValueError, match="schedulefree.AdamWScheduleFree.*not known to be such.*Fix"):
+        memwrap.wrap(model, schedulefree.AdamWScheduleFree(model.parameters(), lr=1e-3), step_in_backward=True)
+    assert _hooks(model) == 0
+
+
+def test_an_optimizer_keeping_per_group_counters_is_stopped_not_silently_wrong(monkeypatch):
+    class CountingSGD(torch.optim.SGD):  # counts its steps in the group, as schedule-free optimizers do
+        def step(self, closure=None):
+            for group in self.param_groups:
+                group["k"] = group.get("k", 0) + 1
+            return super().step(closure)
+
+    from memwrap import step_in_backward
+
+    monkeypatch.setattr(step_in_backward, "PER_PARAMETER_FAMILIES",
+                        step_in_backward.PER_PARAMETER_FAMILIES | {CountingSGD.__module__.split(".")[0]})
+    model = RegressionModel()
+    m, o = memwrap.wrap(model, CountingSGD(model.parameters(), lr=0.1), step_in_backward=True)
+    ids, y = regression_batch()
+    with pytest.raises(RuntimeError, match=r"changed its parameter group's \['k'\]"):
+        F.mse_loss(m(ids), y).backward()
