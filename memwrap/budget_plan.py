@@ -189,9 +189,18 @@ class BudgetPlanner:
 
     def _new_plan(self, batch: Any, n: int, shapes: tuple, local: BudgetChoice | None) -> BudgetChoice:
         start = time.perf_counter()
+        widen = False
         if local is None:
-            local = self._search(batch, n, shapes)
-        choice = agree_plan(local, lambda m: self._search(batch, n, shapes, only=m))
+            try:
+                local = self._search(batch, n, shapes)
+            except BudgetTooSmallError:
+                # Options the user opted in to (budget_may_change) change the training maths: tried only when
+                # nothing keeping the user's precision and optimizer fits, at any micro-batch.
+                if not self._may_change():
+                    raise
+                widen = True
+                local = self._search(batch, n, shapes, widen=True)
+        choice = agree_plan(local, lambda m: self._search(batch, n, shapes, only=m, widen=widen))
         choice.proposed = local.micro_batch
         choice.plan_seconds = time.perf_counter() - start
         self.plan_seconds += choice.plan_seconds
@@ -199,12 +208,15 @@ class BudgetPlanner:
             self.plans.append(choice)
         return choice
 
-    def _space(self) -> dict[str, Any]:
-        from memwrap.memory.planner import default_checkpoints, default_optimizers
-
+    def _may_change(self) -> set[str]:
         # Precision and optimizer change only before the first update: afterwards parameters and optimizer state
         # exist in the chosen form, and a re-plan (a bigger shape) keeps them.
-        may = set(self.opts.budget_may_change) if getattr(self.optimizer, "updates", 0) == 0 else set()
+        return set(self.opts.budget_may_change) if getattr(self.optimizer, "updates", 0) == 0 else set()
+
+    def _space(self, widen: bool = False) -> dict[str, Any]:
+        from memwrap.memory.planner import default_checkpoints, default_optimizers
+
+        may = self._may_change() if widen else set()
         if self._foreign_checkpoint:
             checkpoints = (None,)  # the model's own checkpointing stays; the trace sees it
         elif "checkpoint" in self.set_by_user:
@@ -219,13 +231,12 @@ class BudgetPlanner:
                                                                      if _runs_on(r, self.device_type)]))
         current = self.current.optim if self.current is not None else self.optim_name
         optimizers = (current,) if "optim" not in may else tuple(
-            dict.fromkeys((self.optim_name,) + default_optimizers()))
+            dict.fromkeys((self.optim_name,) + _steppable(default_optimizers())))
         return {"checkpoints": checkpoints, "precisions": precisions, "optimizers": optimizers}
 
-    def _search(self, batch: Any, n: int, shapes: tuple, only: int | None = None) -> BudgetChoice:
+    def _search(self, batch: Any, n: int, shapes: tuple, only: int | None = None, widen: bool = False) -> BudgetChoice:
         """The largest micro-batch (fastest setting at that size) that fits; ``only``: that micro-batch size."""
         import memwrap
-        from memwrap.memory.planner import rank
 
         per_sample = _tensor_bytes(batch, self._device()) / n
         if only is not None:
@@ -235,7 +246,7 @@ class BudgetPlanner:
         else:
             sizes = sorted({-(-n // k) for k in _powers_of_two(n)}, reverse=True)
         module = self._plan_module()
-        space = self._space()
+        space = self._space(widen)
         # Under DDP each rank's step also holds DDP's gradient buckets: plan one rank of a DDP run. (An FSDP2 model is
         # planned as one process holding whole parameters: an over-estimate, so the plan stays on the safe side.)
         ddp = isinstance(self.model.module, torch.nn.parallel.DistributedDataParallel)
@@ -271,14 +282,14 @@ class BudgetPlanner:
                 f"{count} micro-batches of {m} needs {format_bytes(p.smallest.required + rest)} at least "
                 f"({p.smallest.label}). Fix: drop accumulate= (budget= then picks the micro-batch per batch), raise "
                 f"accumulate, or raise the budget. Nothing was run.")
-        raise BudgetTooSmallError(self._too_small(n, tried))
+        raise BudgetTooSmallError(self._too_small(n, tried, widen))
 
-    def _too_small(self, n: int, tried: list) -> str:
+    def _too_small(self, n: int, tried: list, widen: bool) -> str:
         m, count, rest, p = tried[-1]
         low = p.smallest
         need = low.required + rest
         hints = [p.verdict]
-        if "precision" not in self.opts.budget_may_change or "optim" not in self.opts.budget_may_change:
+        if not widen and ("precision" not in self.opts.budget_may_change or "optim" not in self.opts.budget_may_change):
             hints.append("budget_may_change=('precision', 'optim') lets the plan pick a lower precision or an optimizer "
                          "with less state")
         if "checkpoint" in self.set_by_user:
@@ -362,6 +373,14 @@ def _runs_on(row: Any, device_type: str) -> bool:
     name = row.name
     # fp16 loss scaling and TF32 are CUDA features; on CPU they are not what the budget can choose.
     return device_type == "cuda" or name not in ("fp16", "tf32")
+
+
+def _steppable(names: tuple[str, ...]) -> tuple[str, ...]:
+    """Optimizers that step after backward: one that updates inside backward (LOMO, layer-wise GaLore) rules out
+    the accumulation a budget plan may need (wrap() refuses it with accumulate > 1)."""
+    from memwrap.registry import get_optimizer_spec
+
+    return tuple(n for n in names if not getattr(get_optimizer_spec(n), "updates_in_backward", False))
 
 
 def _powers_of_two(n: int) -> list[int]:

@@ -349,3 +349,47 @@ def test_two_ranks_under_torchrun_adopt_the_most_conservative_plan(tmp_path):
     assert ranks[0]["micro"] == ranks[1]["micro"] == 2 * ranks[0]["accumulate"]
     assert all(r["updates"] == 2 and r["plans"] == 1 for r in ranks)
     assert max(r["diff"] for r in ranks) < 1e-6  # the DDP mean of both ranks' big batches, exactly
+
+
+# --- opt-in: precision and optimizer change only when nothing keeping them fits -----------------------------------
+
+def _wide_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 1))
+
+
+def _wide_data():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(8, 512, generator=g), torch.randn(8, 1, generator=g)) for _ in range(2)]
+
+
+def _train_wide(**options):
+    model = _wide_net()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    # 3.3x the parameters: AdamW in fp32 needs 4x (weights, gradients, two moments) at any micro-batch.
+    wmodel, opt, loader = memwrap.wrap(model, torch.optim.AdamW(model.parameters()), _wide_data(),
+                                       budget=f"{int(params * 3.3)}B", checkpoint=None, **options)
+    opt.budget_plan.log = None
+    for x, y in loader:
+        (wmodel(x) - y).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def test_precision_changes_only_with_the_opt_in_and_only_when_needed():
+    with pytest.raises(BudgetTooSmallError, match="dominated by optimizer_state.*budget_may_change"):
+        _train_wide()
+    pytest.importorskip("optimi")
+    model, opt = _train_wide(budget_may_change=("precision",))
+    choice = opt.budget_plan.current
+    assert choice.precision != "fp32" and choice.optim == "adamw" and opt.updates == 2
+    assert next(model.parameters()).dtype == torch.bfloat16 and choice.required <= opt.budget_plan.budget
+
+
+@pytest.mark.slow
+def test_optimizer_changes_only_with_the_opt_in():
+    model, opt = _train_wide(budget_may_change=("optim",))
+    choice = opt.budget_plan.current
+    assert choice.optim != "adamw" and choice.precision == "fp32" and opt.updates == 2
+    assert not isinstance(opt.optimizer, torch.optim.AdamW) and choice.required <= opt.budget_plan.budget
