@@ -287,9 +287,9 @@ def gradient_bytes_held(grad_bytes: list[int], accumulate: int) -> int:
     With ``accumulate=1`` a gradient lives from its accumulation to its parameter's step, which the
     hook runs at once: at most one parameter's gradient exists at a time (the largest). With
     ``accumulate>1`` the gradients of the whole model accumulate across the window as without
-    step_in_backward (all of them live until the last backward); what is saved then is only the
-    optimizer step's temporaries over all parameters at once (foreach/fused intermediates), since
-    each update runs on one parameter.
+    step_in_backward and all live into the window's last backward, which frees them one by one: the
+    bound is all of them (a peak inside the last backward sees fewer; the planner's trace measures
+    that). In both cases the optimizer step's temporaries are one parameter's, not all parameters'.
 
     Example:
         >>> gradient_bytes_held([400, 1600, 40], accumulate=1), gradient_bytes_held([400, 1600, 40], accumulate=4)

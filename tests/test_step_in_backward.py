@@ -344,3 +344,19 @@ def test_an_optimizer_keeping_per_group_counters_is_stopped_not_silently_wrong(m
     ids, y = regression_batch()
     with pytest.raises(RuntimeError, match=r"changed its parameter group's \['k'\]"):
         F.mse_loss(m(ids), y).backward()
+
+
+def test_the_planner_traces_it_gradients_gone_at_accumulate_1_not_at_2():
+    from memwrap.models import build_preset, preset_batch
+
+    def est(**options):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return memwrap.estimate(build_preset("gpt2-tiny", n_layer=2), preset_batch("gpt2-tiny", 2, 32), **options)
+
+    plain, sib = est(), est(step_in_backward=True)
+    assert sib.breakdown.get("gradients", 0) == 0 < plain.breakdown["gradients"]
+    assert sib.peak < plain.peak
+    plain2, sib2 = est(accumulate=2), est(accumulate=2, step_in_backward=True)
+    # The window's gradients live until its last backward, which frees them one by one (docs/options.md).
+    assert 0 < sib2.breakdown["gradients"] <= plain2.breakdown["gradients"] and sib2.peak <= plain2.peak
