@@ -43,8 +43,9 @@ _HINTS = {
 }
 _MODULES = {"kahan": "optimi", "stochastic": "torchao"}
 # Group keys whose value at these settings changes nothing; any other value cannot be carried.
-_NEUTRAL = {"amsgrad": False, "maximize": False, "nesterov": False, "differentiable": False, "capturable": False}
-_KERNEL_FLAGS = frozenset({"foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay"})
+_NEUTRAL = {"amsgrad": False, "maximize": False, "nesterov": False, "differentiable": False}
+# Kernel choices, not maths: the compensated equivalent picks its own.
+_KERNEL_FLAGS = frozenset({"foreach", "fused", "capturable", "decoupled_weight_decay"})
 
 
 def _available(compensation: str) -> bool:
@@ -77,9 +78,7 @@ def _uncarried(optimizer: torch.optim.Optimizer) -> list[str]:
     """Hyperparameters at non-neutral values that the compensated equivalent does not have."""
     bad = []
     for group in optimizer.param_groups:
-        for key, neutral in _NEUTRAL.items():
-            if key in group and key not in _KERNEL_FLAGS - {"differentiable"} and group[key] != neutral:
-                bad.append(f"{key}={group[key]!r}")
+        bad += [f"{key}={group[key]!r}" for key, neutral in _NEUTRAL.items() if group.get(key, neutral) != neutral]
         if type(optimizer) is torch.optim.SGD and group.get("dampening") not in (0, group.get("momentum")):
             bad.append(f"dampening={group['dampening']!r} (optimi has none or dampening=momentum)")
     return sorted(set(bad))
