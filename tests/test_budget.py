@@ -393,3 +393,45 @@ def test_optimizer_changes_only_with_the_opt_in():
     choice = opt.budget_plan.current
     assert choice.optim != "adamw" and choice.precision == "fp32" and opt.updates == 2
     assert not isinstance(opt.optimizer, torch.optim.AdamW) and choice.required <= opt.budget_plan.budget
+
+
+# --- Hugging Face Trainer: per-device batch size and accumulation from the plan, global batch kept -----------------
+
+@pytest.mark.slow
+def test_trainer_kwargs_with_budget_set_the_split_and_train_like_the_big_batch(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import Trainer
+
+    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+    from tests.hf_helpers import hf_args, tiny_llama
+
+    ids = torch.randint(0, 128, (16, 16), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": x, "labels": x} for x in ids]
+    sample = {"input_ids": ids[:8], "labels": ids[:8]}
+    whole = memwrap.estimate(tiny_llama(), sample).peak
+
+    def run(budget):
+        model = tiny_llama()
+        args = hf_args(tmp_path, per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=2,
+                       optim="adamw_torch")
+        extra = {}
+        if budget is not None:
+            lines = []
+            import builtins
+
+            real_print, builtins.print = builtins.print, lines.append
+            try:
+                extra = memwrap_trainer_kwargs(model, args, budget=f"{budget}B", batch=sample, checkpoint=False)
+            finally:
+                builtins.print = real_print
+            assert len(lines) == 1 and "budget plan" in lines[0]
+        Trainer(model=model, args=args, train_dataset=data, **extra).train()
+        return model, args
+
+    planned, args = run(int(whole * 0.8))
+    choice = planned.memwrap_budget_plan
+    assert args.per_device_train_batch_size == choice.micro_batch < 8
+    assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 8  # the global batch is kept
+    assert choice.required <= int(whole * 0.8) and choice.checkpoint is False
+    plain, _ = run(None)
+    assert_same_params(planned, plain, atol=1e-5)

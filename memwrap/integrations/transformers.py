@@ -177,6 +177,7 @@ def _differs_from_trainer(optim: str, spec: Any, args: Any) -> None:
 
 
 def memwrap_trainer_kwargs(model: nn.Module, args: Any = None, *, optim: str | None = None, checkpoint: Any = None,
+                           budget: Any = None, batch: Any = None, margin: Any = None,
                            **optimizer_kwargs: Any) -> dict[str, Any]:
     """Keyword arguments for ``transformers.Trainer`` that use memwrap's optimizer and checkpointing.
 
@@ -193,6 +194,12 @@ def memwrap_trainer_kwargs(model: nn.Module, args: Any = None, *, optim: str | N
         checkpoint: a memwrap checkpoint option (``"auto"``, ``"selective"``, ``"every-2"``, a class set, ...);
             ``None`` leaves checkpointing alone. Needs ``gradient_checkpointing=False``
             (``activation_checkpointing`` in transformers 5) in ``args``.
+        budget: memory one device may use (``"22GiB"``), as ``memwrap.wrap(budget=)``: with ``batch`` (one
+            sample of the per-device global batch, ``per_device_train_batch_size x gradient_accumulation_steps``
+            samples) memwrap plans on fake tensors the largest per-device batch size dividing it that fits, sets
+            ``args.per_device_train_batch_size`` and ``args.gradient_accumulation_steps`` from it (the global batch
+            is kept) and, unless ``checkpoint`` is given (``False``: none), the checkpoint policy. The choice is
+            printed and kept as ``model.memwrap_budget_plan``. ``margin`` as in ``memwrap.plan``.
         **optimizer_kwargs: hyperparameters overriding those taken from ``args``.
 
     Returns:
@@ -205,8 +212,19 @@ def memwrap_trainer_kwargs(model: nn.Module, args: Any = None, *, optim: str | N
     """
     _check_model(model)
     _check_args(args, checkpoint)
+    choice = None
+    if budget is not None or batch is not None or margin is not None:  # plan only: the args change below
+        from memwrap.integrations.trainer_budget import plan_trainer_split
+
+        choice = plan_trainer_split(model, args, budget, batch, margin, checkpoint, optim)
+        hf_checkpointing = any(getattr(args, n, False) for n in ("activation_checkpointing", "gradient_checkpointing"))
+        if checkpoint is None and not hf_checkpointing:  # else the user's (or Hugging Face's) checkpointing stays
+            checkpoint = choice.checkpoint
     # Every check runs before checkpointing touches the model, so a refused call leaves it as it was.
     built = _optimizer_kwargs(model, args, optim, checkpoint, optimizer_kwargs)
+    if choice is not None:
+        args.per_device_train_batch_size, args.gradient_accumulation_steps = choice.micro_batch, choice.accumulate
+        model.__dict__["memwrap_budget_plan"] = choice
     if checkpoint is not None and checkpoint is not False:
         from memwrap.checkpointing import apply_checkpointing, parse_checkpoint_option
 
