@@ -118,6 +118,7 @@ class RunResult:
     seconds: list[float]
     tracked: dict[str, int]  # MemTracker snapshot (bytes per category) at the peak of the last update
     allocator: dict[str, Any] | None = None  # measure_peak() result
+    budget_plan: Any = None  # the planned run: the memwrap.budget_plan.BudgetChoice that budget= made
 
     @property
     def step_time(self) -> float:
@@ -202,6 +203,9 @@ def train(label: str, factory, state: dict, options: dict[str, Any], accumulate:
           lr: float, device: str, progress=None) -> RunResult:
     """Train ``steps`` updates from ``state``; ``options`` empty = a plain loop without memwrap.
 
+    With ``options["budget"]`` the loop is fed by the loader of global batches wrapped with
+    ``memwrap.wrap(model, optimizer, loader, budget=...)``: memwrap plans the micro-batch at the first batch
+    and yields micro-batches; the loop body is the same. The run then reports the plan it chose.
     The last update runs under MemTracker (real tensors) to measure memory by category.
 
     Example:
@@ -220,6 +224,8 @@ def train(label: str, factory, state: dict, options: dict[str, Any], accumulate:
     model.load_state_dict(state)
     model.train()
     optimizer = create_optimizer("adamw", model, lr=lr)
+    if "budget" in options:
+        return _train_budget(label, model, optimizer, options, data, steps, device, progress)
     if options:
         # The two lines memwrap adds to a loop; everything below is the unchanged loop.
         model, optimizer = memwrap.wrap(model, optimizer, **options)
@@ -255,6 +261,52 @@ def train(label: str, factory, state: dict, options: dict[str, Any], accumulate:
         if progress is not None:
             progress(label, update + 1, steps, losses[-1])
     return RunResult(label, dict(options), micro, accumulate, losses, seconds, tracked)
+
+
+def _train_budget(label, model, optimizer, options, data: Batches, steps: int, device: str, progress) -> RunResult:
+    """The planned run: global batches in, ``budget=`` cuts them; the loop body is the plain one."""
+    import memwrap
+    from memwrap.models import lm_loss
+
+    inner_model, inner_opt = model, optimizer
+    global_batches = [data.micro(update, 0, data.batch, device) for update in range(steps)]
+    # The two lines memwrap adds to a loop (here with the loader); everything below is the unchanged loop.
+    model, optimizer, loader = memwrap.wrap(model, optimizer, global_batches, **options)
+    optimizer.budget_plan.log = None  # the demo prints the plan itself
+    losses: list[float] = []
+    seconds: list[float] = []
+    tracked: dict[str, int] = {}
+    batches = iter(loader)
+
+    def step(mb):
+        x, y = mb
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    for update in range(steps):
+        start = time.perf_counter()
+        values: list[torch.Tensor] = []
+        if update == steps - 1:  # the window's micro-batches (views of the global batch) under MemTracker
+            mbs = [next(batches) for _ in range(optimizer.budget_plan.current.accumulate)]
+            tracked = _track_update(inner_model, inner_opt, mbs, lambda mb: values.append(step(mb)))
+            del mbs
+        else:
+            while not values or not optimizer.did_update:  # one update: the micro-batches of one global batch
+                values.append(step(next(batches)))
+        if device != "cpu":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+        losses.append(float(torch.stack(values).mean()))
+        if progress is not None:
+            progress(label, update + 1, steps, losses[-1])
+    c = optimizer.budget_plan.current
+    chosen = {"precision": c.precision, "accumulate": c.accumulate}
+    if c.checkpoint is not None:
+        chosen["checkpoint"] = c.checkpoint
+    return RunResult(label, chosen, c.micro_batch, c.accumulate, losses, seconds, tracked, budget_plan=c)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -323,13 +375,22 @@ def run(args: argparse.Namespace) -> int:
 
     # 2. train plain and planned from the same weights on the same batches.
     state = copy.deepcopy(factory().state_dict())
-    say(f"2. train {args.steps} updates plain, then {args.steps} with memwrap.wrap(model, optimizer, "
-        f"{', '.join(f'{k}={v!r}' for k, v in best.options.items())}) and micro-batch {best.micro_batch}")
+    # The planned run keeps the global batch on the loop: budget= plans it again at its first batch, the same
+    # search (micro-batch x checkpoint policy; precision/optimizer only when more than one is allowed).
+    may = tuple(name for name, values in (("precision", precisions), ("optim", optimizers)) if len(values) > 1)
+    budget_options = {"budget": budget, "margin": (0.05, 0), **({"budget_may_change": may} if may else {})}
+    say(f"2. train {args.steps} updates plain, then {args.steps} with the same loop over global batches of "
+        f"{args.batch} after memwrap.wrap(model, optimizer, loader, budget={format_bytes(budget)!r}, margin=(0.05, 0))")
     runs = []
-    for label, options, accumulate in (("plain", {}, 1), ("planned", best.options, best.accumulate)):
+    for label, options, accumulate in (("plain", {}, 1), ("planned", budget_options, None)):
         runs.append(train(label, factory, state, options, accumulate, data, args.steps, args.lr, args.device,
                           progress.train))
         progress.close()
+    chosen = runs[1].budget_plan
+    say(f"   budget= chose: micro-batch {chosen.micro_batch} x accumulate {chosen.accumulate}, checkpoint "
+        f"{chosen.checkpoint or 'none'}, precision {chosen.precision} (planned in {chosen.plan_seconds:.1f} s; "
+        f"predicted {format_bytes(chosen.peak)} + margin {format_bytes(chosen.margin)} of {format_bytes(budget)})")
+    best = chosen.candidate
     phases["train_s"] = sum(sum(r.seconds) for r in runs)
 
     # 3. measure the allocator peak of one steady-state update of each configuration.

@@ -435,3 +435,54 @@ def test_trainer_kwargs_with_budget_set_the_split_and_train_like_the_big_batch(t
     assert choice.required <= int(whole * 0.8) and choice.checkpoint is False
     plain, _ = run(None)
     assert_same_params(planned, plain, atol=1e-5)
+
+
+# --- Lightning: the callback takes the same budget ---------------------------------------------------------------
+
+@pytest.mark.slow
+def test_lightning_callback_with_budget_sets_the_split_and_trains_like_the_big_batch():
+    L = pytest.importorskip("lightning")
+    from torch.utils.data import DataLoader
+
+    from memwrap.integrations.lightning import MemwrapCallback
+
+    g = torch.Generator().manual_seed(0)
+    xs, ys = torch.randn(32, 32, 8, generator=g), torch.randn(32, generator=g)
+    data = list(zip(xs, ys))
+
+    class Module(L.LightningModule):
+        def __init__(self, batch_size):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(8, 256), nn.Tanh(), nn.Linear(256, 1))
+            self.batch_size = batch_size
+
+        def forward(self, x):
+            return self.net(x).mean(dim=(1, 2))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return (self(x) - y).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return DataLoader(data, batch_size=self.batch_size() if callable(self.batch_size) else self.batch_size)
+
+    def fit(module, callbacks):
+        L.Trainer(max_steps=2, accelerator="cpu", callbacks=callbacks, enable_progress_bar=False, logger=False,
+                  enable_model_summary=False, enable_checkpointing=False).fit(module)
+        return module
+
+    whole = memwrap.estimate(Module(16).net, (xs[:16], ys[:16]), loss_fn=lambda o, t: o.pow(2).mean()).peak
+    cb = MemwrapCallback(budget=f"{int(whole * 0.6)}B", batch=(xs[:16], ys[:16]), checkpoint=False)
+    planned = fit(Module(lambda: cb.micro_batch), [cb])
+    assert cb.micro_batch < 16 and cb.micro_batch * cb.budget_plan.accumulate == 16  # the global batch is kept
+    assert cb.budget_plan.required <= int(whole * 0.6) and planned.trainer.accumulate_grad_batches == 16 // cb.micro_batch
+    plain = fit(Module(16), [])
+    assert_same_params(planned, plain, atol=1e-6)
+    with pytest.raises(ValueError, match="must be positive|cannot read budget"):
+        MemwrapCallback(budget="-1GiB", batch=(xs, ys))
+    with pytest.raises(ValueError, match="give both"):
+        MemwrapCallback(budget="1GiB")

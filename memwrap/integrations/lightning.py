@@ -246,8 +246,16 @@ class _MemwrapCallback:
         >>> L.Trainer(precision="bf16-mixed", accumulate_grad_batches=8, callbacks=[cb]).fit(module)  # doctest: +SKIP
     """
 
-    def __init__(self, checkpoint: Any = None, optim: str | None = None):
+    def __init__(self, checkpoint: Any = None, optim: str | None = None, *, budget: Any = None, batch: Any = None,
+                 margin: Any = None):
         super().__init__()
+        if budget is not None or batch is not None or margin is not None:
+            from memwrap.integrations.lightning_budget import check_budget
+
+            check_budget(budget, batch, margin)  # a bad budget fails now, not at fit()
+        self.budget, self.batch, self.margin = budget, batch, margin
+        self.budget_plan = None  # set at fit(): the memwrap.budget_plan.BudgetChoice
+        self.micro_batch: int | None = None  # the batch size the train DataLoader must use under budget=
         if optim is not None:
             from memwrap.registry import get_optimizer_spec
 
@@ -271,10 +279,10 @@ class _MemwrapCallback:
         # A fit that raised before on_exception could run (or a new module) must not keep or block the patches.
         self._restore()
         self._module, self._original = pl_module, {}
-        if self.checkpoint is not None and self.checkpoint is not False:
+        if self.budget is not None or (self.checkpoint is not None and self.checkpoint is not False):
             # Callback.setup runs before the module's setup and configure_model: patch the one that runs last.
             hook = _build_hook(pl_module)
-            self._patch(pl_module, hook, lambda result: self._checkpoint(pl_module, hook, result))
+            self._patch(pl_module, hook, lambda result: self._checkpoint(pl_module, hook, result, trainer))
         if self.optim is not None:
             unfused = _clips_under_amp(trainer)
             self._patch(pl_module, "configure_optimizers", lambda result: self._convert(pl_module, result, unfused))
@@ -298,9 +306,23 @@ class _MemwrapCallback:
 
         pl_module.__dict__[name] = hook
 
-    def _checkpoint(self, pl_module: nn.Module, hook: str, result: Any) -> Any:
-        self.report = _apply_checkpoint(pl_module, self.checkpoint, after=hook)
+    def _checkpoint(self, pl_module: nn.Module, hook: str, result: Any, trainer: Any = None) -> Any:
+        checkpoint = self.checkpoint
+        if self.budget is not None:  # plan the split now that the network exists (memwrap.integrations.lightning_budget)
+            from memwrap.integrations.lightning_budget import plan_lightning_split
+
+            self.budget_plan = plan_lightning_split(self, trainer, pl_module)
+            self.micro_batch = self.budget_plan.micro_batch
+            checkpoint = self.budget_plan.checkpoint if checkpoint is None else checkpoint
+        if checkpoint is not None and checkpoint is not False:
+            self.report = _apply_checkpoint(pl_module, checkpoint, after=hook)
         return result
+
+    def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int) -> None:
+        if self.budget_plan is not None:
+            from memwrap.integrations.lightning_budget import check_micro_batch
+
+            check_micro_batch(self, batch)
 
     def _convert(self, pl_module: nn.Module, result: Any, unfused: bool) -> Any:
         converter = _Converter(self.optim, pl_module, unfused=unfused)
