@@ -133,7 +133,8 @@ def _check_optimizer(saved: dict[str, Any], optimizer: Any) -> None:
         raise ValueError("the checkpoint's optimizer state and the optimizer passed are not both memwrap-wrapped. "
                          "Fix: save and load the optimizer memwrap.wrap() returned.")
     inner = saved["optimizer"] if wrapped else saved
-    if wrapped and saved["gate"]["accumulate"] != optimizer.gate.accumulate:
+    # Under budget= (gate.varies) each batch's cut sets accumulate: the saved value is not a setting to match.
+    if wrapped and saved["gate"]["accumulate"] != optimizer.gate.accumulate and not optimizer.gate.varies:
         raise ValueError(f"the checkpoint was saved with accumulate={saved['gate']['accumulate']} but this run uses "
                          f"accumulate={optimizer.gate.accumulate}; resume with the same accumulate.")
     saved_sizes = [len(g["params"]) for g in inner["param_groups"]]

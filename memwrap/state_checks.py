@@ -52,7 +52,9 @@ def check_optimizer_state(wrapped: Any, state: Any) -> None:
             _refuse(f"its {key!r} entry is missing (a truncated or hand-edited checkpoint?)")
     # The gate's own load is the check (same accumulate, well-formed); a throwaway gate takes it.
     try:
-        AccumulationGate(wrapped.gate.accumulate).load_state_dict(state["gate"])
+        probe = AccumulationGate(wrapped.gate.accumulate)
+        probe.varies = wrapped.gate.varies  # budget=: any saved accumulate is accepted (memwrap.budget_plan)
+        probe.load_state_dict(state["gate"])
     except (KeyError, TypeError) as err:
         _refuse(f"its 'gate' entry is malformed ({err!r})")
     saved_class, this_class = state.get("optimizer_class"), class_name(wrapped.optimizer)

@@ -486,3 +486,68 @@ def test_lightning_callback_with_budget_sets_the_split_and_trains_like_the_big_b
         MemwrapCallback(budget="-1GiB", batch=(xs, ys))
     with pytest.raises(ValueError, match="give both"):
         MemwrapCallback(budget="1GiB")
+
+
+def test_save_and_resume_between_updates_continues_exactly(tmp_path):
+    batches = [_xy(10, s) for s in range(4)]
+    loss = lambda m, b: (m(b[0]) - b[1]).pow(2).mean()  # noqa: E731
+
+    # A budget under the unsplit step's peak: the plan's accumulate (not given by the user) is what is saved.
+    budget = int(memwrap.estimate(Net(), batches[0], loss_fn=lambda o, t: (o - t).pow(2).mean()).peak * 0.85)
+
+    def setup():
+        model = Net()
+        wmodel, opt, loader = memwrap.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), batches,
+                                           budget=f"{budget}B", checkpoint=None)
+        opt.budget_plan.log = None
+        return model, wmodel, opt, loader
+
+    model, wmodel, opt, loader = setup()
+    for micro in loader:
+        loss(wmodel, micro).backward()
+        opt.step()
+        opt.zero_grad()
+        if opt.updates == 2 and opt.did_update:
+            memwrap.save_checkpoint(tmp_path / "ckpt.pt", model=wmodel, optimizer=opt, loader=loader)
+            break
+    model2, wmodel2, opt2, loader2 = setup()
+    memwrap.load_checkpoint(tmp_path / "ckpt.pt", model=wmodel2, optimizer=opt2, loader=loader2)
+    for micro in loader2:
+        loss(wmodel2, micro).backward()
+        opt2.step()
+        opt2.zero_grad()
+    assert opt2.updates == 4 and opt2.budget_plan.current.accumulate > 1
+    assert_same_params(model2, reference(Net(), batches, loss, lr=1e-2), atol=1e-6)
+
+
+def test_cuts_are_even_and_reassemble_the_batch():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.integers(1, 40), st.integers(1, 40))
+    def check(total, micro):
+        sizes = cut_sizes(total, micro)
+        assert sum(sizes) == total and max(sizes) <= micro and max(sizes) - min(sizes) <= 1
+        assert len(sizes) == -(-total // micro)
+        x = torch.arange(total * 2).view(total, 2)
+        parts = cut_batch({"x": x, "meta": "m"}, sizes)
+        assert torch.equal(torch.cat([p["x"] for p in parts]), x) and all(p["meta"] == "m" for p in parts)
+
+    check()
+
+
+def test_monitor_records_compare_with_the_plan():
+    model = Net()
+    wmodel, opt, loader = memwrap.wrap(model, torch.optim.AdamW(model.parameters()), [_xy(8, 0)], budget="1GiB",
+                                       checkpoint=None, monitor=1)
+    opt.budget_plan.log = None
+    opt.monitor.log = None
+    for x, y in loader:
+        (wmodel(x) - y).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    record = opt.monitor.records[-1]
+    choice = opt.budget_plan.current
+    assert record["predicted"] == choice.peak + choice.batch_rest and record["budget"] == 2**30
+    assert "plan predicted" in opt.monitor._line(record) and "budget 1.00 GiB" in opt.monitor._line(record)
