@@ -8,8 +8,9 @@ What it does, in order:
 2. asks :func:`memwrap.plan` for the fastest configuration (micro-batch x accumulation,
    checkpoint policy, precision, optimizer) whose predicted peak fits the budget;
 3. trains the same initial weights on the same batches of an embedded text (byte tokens, no
-   download) twice: a plain hand-written loop, and the same loop with ``memwrap.wrap(...)``
-   and the planned options;
+   download) twice: a plain hand-written loop, and the same loop over the same global batches with
+   ``memwrap.wrap(model, optimizer, loader, budget=...)``, which plans again at the first batch
+   and yields micro-batches that fit (it reports the plan it chose);
 4. measures both: the peak of one update by category with torch's ``MemTracker`` on the real
    tensors, and the allocator peak with :func:`memwrap.memory.measure_peak`; prints them next
    to the predictions with step time and loss, and writes a PNG.
