@@ -55,7 +55,14 @@ def main() -> None:
     parser.add_argument("--names", nargs="*", default=NAMES)
     args = parser.parse_args()
     ids = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(0))
-    rows = []
+    meta = {"torch": torch.__version__, "python": platform.python_version(), "layers": args.layers,
+            "width": args.width, "vocab": 50257, "batch": list(ids.shape)}
+    path = OUT / "hf_optimizers.json"
+    rows = {}
+    if path.is_file():  # a rerun of some names replaces their rows and keeps the others
+        old = json.loads(path.read_text())
+        if old["meta"] == meta:
+            rows = {r["name"]: r for r in old["rows"]}
     for name in args.names:
         torch.manual_seed(0)
         model = build_preset("gpt2", n_layer=args.layers, n_embd=args.width, n_head=4, block_size=64)
@@ -64,8 +71,7 @@ def main() -> None:
         row = {"name": name, "spec": spec.name, "params": n_params}
         try:
             hp = trainer_hyperparameters(training_args(name))
-            hp.pop("model", None)
-            predicted = predict_state_bytes(name, model, **{k: v for k, v in hp.items() if k != "target_modules"})
+            predicted = predict_state_bytes(name, model, **hp)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 opt = create_optimizer(name, model, **hp)
@@ -79,18 +85,11 @@ def main() -> None:
             row.update(measured=measured, predicted=predicted, bytes_per_param=measured / n_params)
         except Exception as exc:  # hardware or GPU-only kernel absent: recorded, not hidden
             row["unavailable"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-        rows.append(row)
+        rows[name] = row
         print(_line(row), flush=True)
-    OUT.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "python": platform.python_version(), "layers": args.layers,
-            "width": args.width, "vocab": 50257, "batch": list(ids.shape)}
-    path = OUT / "hf_optimizers.json"
-    if args.names != NAMES and path.is_file():  # a partial rerun replaces its rows, keeps the others
-        old = json.loads(path.read_text())
-        if old["meta"] == meta:
-            fresh = {r["name"]: r for r in rows}
-            rows = [fresh.pop(r["name"], r) for r in old["rows"]] + list(fresh.values())
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        OUT.mkdir(parents=True, exist_ok=True)  # after every row: a run cut short keeps what it measured
+        ordered = [rows[n] for n in NAMES if n in rows]
+        path.write_text(json.dumps({"meta": meta, "rows": ordered}, indent=1))
 
 
 def _line(row: dict) -> str:
