@@ -95,20 +95,92 @@ def _chunk_sum(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return F.cross_entropy(logits.float(), y, ignore_index=ignore_index, reduction="sum")
 
 
+def _loss_of_logits(logits, y, transform, ignore_index):
+    if transform is not None:
+        logits = transform(logits)
+    return F.cross_entropy(logits.float(), y, ignore_index=ignore_index, reduction="sum")
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Sum of per-token cross entropies of ``h @ w.T + b``, chunk by chunk; backward recomputes each chunk.
+
+    Like checkpointing each chunk, but the head's backward is written out so that the weight gradient is
+    accumulated in place into one buffer: through autograd every chunk would hand the engine a fresh
+    ``[vocab, hidden]`` gradient to add, one more weight-sized tensor alive at the peak (measured in
+    benchmarks/chunked_loss.py). Autocast is recorded in forward and restored for the recompute, so each chunk
+    runs in the dtypes the plain ``lm_head`` would.
+    """
+
+    @staticmethod
+    def forward(ctx, h, w, b, y, transform, ignore_index, size):
+        device = h.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.transform, ctx.ignore_index, ctx.size = transform, ignore_index, size
+        ctx.save_for_backward(h, w, b, y)
+        total = None
+        with torch.no_grad():
+            for start in range(0, h.shape[0], size):
+                part = _chunk_sum(h[start:start + size], w, b, y[start:start + size], transform, ignore_index)
+                total = part if total is None else total + part
+        return total
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        h, w, b, y = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        device, enabled, dtype = ctx.autocast
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros_like(w) if need_w else None
+        grad_b = torch.zeros_like(b) if need_b else None
+        w_const, b_const = w.detach(), (b.detach() if b is not None else None)
+        with torch.autocast(device, dtype=dtype, enabled=enabled), torch.enable_grad():
+            for start in range(0, h.shape[0], ctx.size):
+                hc = h[start:start + ctx.size].detach().requires_grad_(need_h)
+                # Autograd does the loss's backward and the head's input gradient; the logits are not kept
+                # (nothing saves them), only their gradient, caught on its way for the weight's gradient.
+                logits = F.linear(hc, w_const, b_const)
+                if not need_h:  # a frozen body: the logits are the graph's start
+                    logits.requires_grad_()
+                caught = []
+                logits.register_hook(caught.append)
+                loss = _loss_of_logits(logits, y[start:start + ctx.size],
+                                       ctx.transform, ctx.ignore_index)
+                target = hc if need_h else logits
+                del logits
+                (grad,) = torch.autograd.grad(loss, target, grad_out)
+                del loss, target
+                if need_h:
+                    grad_h[start:start + ctx.size] = grad
+                del grad
+                g = caught[0]  # [chunk, vocab], in the dtype autocast gave the forward matmul
+                if need_w:
+                    if g.dtype == grad_w.dtype:
+                        grad_w.addmm_(g.t(), hc.detach())
+                    else:  # autocast: the matmul in g's dtype, as lm_head's backward; summed in the weight's
+                        grad_w.add_(g.t() @ hc.detach().to(g.dtype))
+                if need_b:
+                    grad_b.add_(g.sum(0))
+                del g, caught, hc
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                          bias: torch.Tensor | None = None,
                          transform: Callable[[torch.Tensor], torch.Tensor] | None = None, shift: bool = False,
                          ignore_index: int = IGNORE_INDEX, num_items: int | torch.Tensor | None = None,
-                         chunk_size: int | None = None) -> torch.Tensor:
+                         chunk_size: int | None = None, impl: str = "recompute") -> torch.Tensor:
     """Cross entropy of ``transform(hidden @ weight.T + bias)`` against ``labels``, one chunk of tokens at a time.
 
     ``hidden`` is ``[..., H]`` and ``labels`` ``[...]`` (``shift=True``: Hugging Face's causal shift, position
     ``t`` predicts ``labels[..., t + 1]``, the last position is ignored). The result is the mean over labels
     that are not ``ignore_index`` (NaN when there are none, as in torch), or the sum divided by
-    ``num_items`` when given (Hugging Face's ``num_items_in_batch``). Each chunk runs under non-reentrant
-    :func:`torch.utils.checkpoint.checkpoint`, so its logits are freed after forward and recomputed in
-    backward: at most one chunk's logits, their fp32 copy and their gradients are alive at any time.
-    ``chunk_size`` defaults to :func:`default_chunk_size`. Pure torch; runs on fake tensors.
+    ``num_items`` when given (Hugging Face's ``num_items_in_batch``). Each chunk's logits are freed after
+    forward and recomputed in backward: at most one chunk's logits, their fp32 copy and their gradient are
+    alive at any time. ``impl="recompute"`` (default) writes the head's backward out and accumulates the
+    weight gradient in place; ``impl="checkpoint"`` runs each chunk under :func:`torch.utils.checkpoint.checkpoint`
+    instead (simpler, one more weight-sized gradient at the peak; kept for comparison). ``chunk_size``
+    defaults to :func:`default_chunk_size`. Pure torch; runs on fake tensors.
 
     Example:
         >>> h, w = torch.randn(2, 8, 4, requires_grad=True), torch.randn(10, 4, requires_grad=True)
@@ -125,18 +197,23 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                          "input token (Hugging Face style: labels = input_ids, with -100 where no loss is wanted).")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int (tokens per chunk) or None, got {chunk_size!r}.")
+    if impl not in ("recompute", "checkpoint"):
+        raise ValueError(f"impl must be 'recompute' or 'checkpoint', got {impl!r}.")
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1).to(h.device)
     n = h.shape[0]
     size = chunk_size or default_chunk_size(n, h.shape[-1], weight.shape[0])
-    total = None
-    for start in range(0, n, size):
-        # No RNG inside a chunk: skipping the RNG-state save keeps the recompute cheap.
-        part = checkpoint(_chunk_sum, h[start:start + size], weight, bias, y[start:start + size], transform,
-                          ignore_index, use_reentrant=False, preserve_rng_state=False)
-        total = part if total is None else total + part
-    if total is None:  # no tokens at all: torch's mean over nothing
-        total = (h.sum() * 0.0).float() + weight.sum() * 0.0
+    if n == 0:  # no tokens at all: torch's mean over nothing
+        total = (h.sum() + weight.sum()).float() * 0.0
+    elif impl == "recompute":
+        total = _ChunkedLinearCrossEntropy.apply(h, weight, bias, y, transform, ignore_index, size)
+    else:
+        total = None
+        for start in range(0, n, size):
+            # No RNG inside a chunk: skipping the RNG-state save keeps the recompute cheap.
+            part = checkpoint(_chunk_sum, h[start:start + size], weight, bias, y[start:start + size], transform,
+                              ignore_index, use_reentrant=False, preserve_rng_state=False)
+            total = part if total is None else total + part
     if num_items is not None:
         if isinstance(num_items, torch.Tensor):
             num_items = num_items.to(total.device)
