@@ -492,3 +492,16 @@ def test_a_tied_head_is_not_a_low_rank_target_as_in_trainer(tmp_path):
     ours = create_optimizer("galore_adamw", model, target_modules="all-linear")
     assert [len(g["params"]) for g in ours.param_groups] == [len(g["params"]) for g in theirs["params"]]
     assert model.embed.weight in ours.param_groups[0]["params"]
+
+
+def test_the_planner_skips_backward_updating_optimizers_where_wrap_would_refuse_them():
+    from memwrap.memory import plan
+    from memwrap.models import build_preset, preset_batch
+
+    result = plan(lambda: build_preset("gpt2-tiny"), lambda mb: preset_batch("gpt2-tiny", mb, 16), budget="1GiB",
+                  global_batch=2, micro_batches=(2, 1), precisions=("fp32",), checkpoints=(None,),
+                  optimizers=("lomo", "adamw"), margin=(0.0, 0))
+    rows = {(c.accumulate, c.optim) for c in result.candidates}
+    skipped = [why for label, why in result.skipped if "lomo" in label]
+    assert skipped and all("updates inside backward" in why for why in skipped)  # micro-batch 1 = accumulate 2
+    assert (1, "lomo") in rows and (2, "lomo") not in rows and (2, "adamw") in rows

@@ -315,13 +315,14 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
         s["optim"] = get_optimizer_spec(s["optim"]).name
         s["checkpoint"] = _checkpoint_spec(s["checkpoint"])
     _validate(specs, max_grad_norm)
+    specs, in_backward = _updates_in_backward_refusals(specs, global_batch, max_grad_norm)  # wrap() refuses
 
     groups: dict[tuple, list[dict]] = {}
     for s in specs:
         key = (s["micro_batch"], s["precision"], repr(s["checkpoint"]))
         groups.setdefault(key, []).append(s)
     traces: dict[tuple, Any] = {}
-    skipped: list[tuple[str, str]] = []
+    skipped: list[tuple[str, str]] = list(in_backward)
     done, total = 0, len(groups)
     results: list[Candidate] = []
     for key, members in groups.items():
@@ -421,6 +422,25 @@ def _checkpoint_spec(value: Any) -> Any:
     if isinstance(value, str) and value.lower() in ("none", "no", "off"):
         return None
     return value
+
+
+def _updates_in_backward_refusals(specs: list[dict], per_rank: int,
+                                  max_grad_norm: float | None) -> tuple[list[dict], list[tuple[str, str]]]:
+    """Drop optimizers that update inside backward (LOMO, layer-wise GaLore) where wrap() refuses them: with
+    accumulation, clipping or fp16 loss scaling. Returned as ``(label, why)`` like the other skipped rows."""
+    from memwrap.precision import get_precision
+    from memwrap.registry import get_optimizer_spec
+
+    keep, skipped = [], []
+    for s in specs:
+        accumulate = per_rank // s["micro_batch"]
+        if get_optimizer_spec(s["optim"]).updates_in_backward and (
+                accumulate > 1 or max_grad_norm is not None or get_precision(s["precision"]).uses_scaler):
+            skipped.append((f"{s['micro_batch']} {s['precision']} {s['checkpoint'] or 'no-ckpt'} {s['optim']}",
+                            f"{s['optim']} updates inside backward: no accumulation ({accumulate}), clipping or fp16"))
+        else:
+            keep.append(s)
+    return keep, skipped
 
 
 def _validate(specs: list[dict], max_grad_norm: float | None) -> None:
