@@ -252,13 +252,21 @@ def loss_heads() -> list[tuple[LossHeadSpec, str]]:
     return out
 
 
+def _is_fsdp2(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(model, FSDPModule)
+
+
 def _refuse_root_wrappers(model: nn.Module) -> None:
     # The adapter runs the model's body directly, not model(...): whatever hangs on the root module's call
     # (DDP's reducer, FSDP2's root all-gather, the user's forward hooks) would be skipped.
     name = type(model).__name__
     if isinstance(model, nn.parallel.DistributedDataParallel):
         why = "DistributedDataParallel's forward prepares its gradient reduction"
-    elif type(model).__name__.startswith("FSDP") and hasattr(model, "unshard"):
+    elif _is_fsdp2(model):
         why = "FSDP2's root forward gathers the root's parameters"
     elif model._forward_hooks or model._forward_pre_hooks:
         why = f"{name} has forward hooks on its root module ({len(model._forward_hooks) + len(model._forward_pre_hooks)})"

@@ -389,3 +389,14 @@ def test_third_party_adapter_and_failing_plugin_are_isolated():
     finally:
         pm.unregister(name="test_tiny_head")
         pm.unregister(name="test_broken_head")
+
+
+def test_hf_model_is_estimated_on_fake_tensors():
+    """The planner traces the chunked step of a Hugging Face model (a dict batch with labels) and finds it smaller."""
+    net = _hf("llama")
+    ids, labels = _ids(256)
+    batch = {"input_ids": ids, "labels": labels}
+    chunked = memwrap.estimate(net, batch, chunked_loss=16)
+    plain = memwrap.estimate(net, batch)
+    assert chunked.peak < plain.peak
+    assert all(p.device.type == "cpu" and p.grad is None for p in net.parameters())  # the model was not touched
