@@ -32,6 +32,8 @@ __all__ = [
     "optimizers", "convert_optimizer", "predict_state_bytes", "measure_state_bytes", "spec_plugin",
 ]
 
+# Where an optimizer's state can live (OptimizerSpec.state_location), for the planner's memory categories.
+STATE_LOCATIONS = ("device", "paged", "host")
 # Group keys that choose a kernel, not the maths: dropped silently on conversion.
 _IMPLEMENTATION_FLAGS = frozenset({"foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay"})
 # Values at which a hyperparameter does nothing, so dropping it changes nothing worth a warning.
@@ -80,6 +82,11 @@ class OptimizerSpec:
         carries: param-group keys that keep their meaning when converting from AdamW-style groups; the kernel
             flags ``fused``/``foreach`` listed here are passed on when the source optimizer set them explicitly.
         fused, paged: capability flags (a fused kernel where supported; paged state on CUDA).
+        state_location: where the optimizer state lives, for the planner: ``"device"`` (ordinary device memory),
+            ``"paged"`` (CUDA unified memory: it uses device memory left free and spills to host RAM under
+            pressure, as bitsandbytes' paged optimizers do; the default when ``paged=True``) or ``"host"`` (host
+            RAM, stepped on the CPU or streamed, e.g. torchao's ``CPUOffloadOptimizer``). The planner reports
+            paged and host state in their own categories, not as device memory.
         scaler_ok: works with ``torch.amp.GradScaler`` (fp16).
         devices: device types the kernels support.
         runs_on_fake: ``step()`` works on FakeTensors, so the planner can trace it.
@@ -120,8 +127,14 @@ class OptimizerSpec:
     needs_model: bool = False
     updates_in_backward: bool = False
     trainer_kwargs: Callable[[str, Any], dict[str, Any]] | None = None
+    state_location: str | None = None  # None: "paged" when paged=True, else "device"
 
     def __post_init__(self) -> None:
+        location = self.state_location if self.state_location is not None else ("paged" if self.paged else "device")
+        if location not in STATE_LOCATIONS:
+            raise ValueError(f"OptimizerSpec {self.name!r}: state_location must be one of {', '.join(STATE_LOCATIONS)}, "
+                             f"got {self.state_location!r}.")
+        object.__setattr__(self, "state_location", location)
         if not isinstance(self.name, str) or not self.name or _normalize(self.name) != self.name:
             raise ValueError(f"OptimizerSpec name must be lower case with '_' separators, got {self.name!r}"
                              + (f"; use {_normalize(self.name)!r}" if isinstance(self.name, str) else ""))

@@ -212,21 +212,23 @@ def _shift(seg: Segment, delta: int) -> Segment:
     return Segment(seg.total + delta, cats, seg.host, seg.where)
 
 
-def derive(trace: Trace, optimizer: str, model: nn.Module) -> Trace | None:
+def derive(trace: Trace, optimizer: str, model: nn.Module, *, force: bool = False) -> Trace | None:
     """The trace for ``optimizer`` from one traced with another optimizer (or the stand-in).
 
     Optimizer state is alive through the whole step, so a different optimizer shifts every
     segment by the difference in state bytes (plugin ``state_bytes``, exact). The optimizer-step
     segment of an optimizer that cannot run on fake tensors is the step's entry snapshot plus its
     state: kernel temporaries of such optimizers are not modelled. Returns None when
-    ``optimizer`` runs on fake tensors and differs from the traced one (trace it instead).
+    ``optimizer`` runs on fake tensors and differs from the traced one (trace it instead), unless ``force``:
+    then the shifted trace is a lower bound for it (its step's temporaries are missing), which the planner uses
+    to skip tracing an optimizer that cannot fit whatever its step needs.
     """
     if trace.optimizer == optimizer:
         return trace
     from memwrap.registry import get_optimizer_spec, predict_state_bytes
 
     spec = get_optimizer_spec(optimizer)
-    if spec.runs_on_fake:
+    if spec.runs_on_fake and not force:
         return None
     new_state = predict_state_bytes(optimizer, model)
     delta = new_state - trace.state["optimizer_state"]
@@ -258,6 +260,13 @@ class Estimate:
         top_modules: ``(module, bytes)`` of forward activations, largest first (stack blocks once, ``.*``).
         flops: per optimizer update (all micro-batches), recompute included.
         offloaded: most host bytes holding offloaded activations at any time of the step.
+        paged_state: optimizer state in CUDA unified memory (an optimizer whose spec says
+            ``state_location="paged"``, e.g. bitsandbytes' paged AdamW): not in ``peak``/``breakdown``. It uses
+            device memory left free beyond the peak and spills to host RAM under pressure, so it needs
+            neither; the assumption is that the host has room for all of it (the worst case) and that what
+            spills is paged in and out once per step (see :mod:`memwrap.memory.cost`).
+        host_state: optimizer state held in host RAM (``state_location="host"``, e.g. a CPU-offloaded
+            optimizer): not in ``peak``/``breakdown`` either.
         world_size / strategy: the data-parallel run this is one rank of (1 / None: one process).
             Sharded estimates add categories: ``unsharded_parameters`` and ``unsharded_gradients``
             (FSDP2's all-gathered blocks in flight), ``all_gather`` and ``reduce_scatter`` (their
@@ -284,6 +293,13 @@ class Estimate:
     world_size: int = 1
     strategy: str | None = None
     stack: str | None = None
+    paged_state: int = 0
+    host_state: int = 0
+
+    @property
+    def host(self) -> int:
+        """Host RAM the step may need: offloaded activations, host optimizer state, and all paged state (worst case)."""
+        return self.offloaded + self.host_state + self.paged_state
 
     @property
     def dominant(self) -> str:
@@ -310,6 +326,11 @@ class Estimate:
                 lines.append(f"    {cat:<21}{format_bytes(value):>12}")
         if self.offloaded:
             lines.append(f"    {'(host, offloaded)':<16}{format_bytes(self.offloaded):>12}")
+        if self.paged_state:
+            lines.append(f"    {'(paged optimizer state)':<21}{format_bytes(self.paged_state):>12}  not in the peak: CUDA "
+                         f"unified memory, uses free device memory, spills to host RAM (assumed available)")
+        if self.host_state:
+            lines.append(f"    {'(host optimizer state)':<21}{format_bytes(self.host_state):>12}  in host RAM, not in the peak")
         lines.append("  phase peaks: " + ", ".join(f"{p} {format_bytes(v)}" for p, v in self.phases.items()))
         if self.top_modules:
             lines.append("  largest forward activations: " + ", ".join(
@@ -319,8 +340,26 @@ class Estimate:
         return "\n".join(lines)
 
 
+def _off_device(trace: Trace, optimizer: str) -> tuple[Trace, int, int]:
+    """``trace`` with the optimizer state taken out of device memory when the optimizer's spec keeps it paged or
+    on the host (``OptimizerSpec.state_location``), and those bytes: ``(trace, paged, host)``."""
+    from memwrap.registry import get_optimizer_spec
+
+    location = get_optimizer_spec(optimizer).state_location
+    if location == "device":
+        return trace, 0, 0
+    segments = {}
+    for key, seg in trace.segments.items():
+        cats = {**seg.bytes, "optimizer_state": 0}
+        segments[key] = Segment(seg.total - seg.bytes["optimizer_state"], cats, seg.host, seg.where)
+    moved = trace.state["optimizer_state"]
+    trace = dataclasses.replace(trace, segments=segments)
+    return (trace, moved, 0) if location == "paged" else (trace, 0, moved)
+
+
 def finish(trace: Trace, options: dict[str, Any], optimizer: str) -> Estimate:
     """Turn a full-depth :class:`Trace` into an :class:`Estimate`."""
+    trace, paged, host = _off_device(trace, optimizer)
     key, seg = max(trace.segments.items(), key=lambda kv: kv[1].total)
     phases = {p: max((s.total for k, s in trace.segments.items() if k[1] == p), default=0) for p in PHASES}
     accumulate = int(options.get("accumulate", 1))
@@ -332,7 +371,7 @@ def finish(trace: Trace, options: dict[str, Any], optimizer: str) -> Estimate:
                     flops_per_micro_batch=trace.flops, ops_per_micro_batch=trace.ops,
                     offloaded=max((s.host for s in trace.segments.values()), default=0),
                     method=trace.method, seconds=trace.seconds, world_size=trace.world_size,
-                    strategy=trace.strategy, stack=trace.stack)
+                    strategy=trace.strategy, stack=trace.stack, paged_state=paged, host_state=host)
 
 
 def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn: Callable | None = None,

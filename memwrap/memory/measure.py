@@ -136,11 +136,12 @@ def measure_peak(model: nn.Module | Callable[[], nn.Module], batch: Any, loss_fn
     elif not profile:
         for _ in range(steps):
             _run_update(wmodel, wopt, batches, loss_fn)
-        result.update(peak=None, baseline=live_bytes(model, inner, batches), method="process RSS only")
+        result.update(peak=None, baseline=live_bytes(model, wopt.optimizer, batches), method="process RSS only")
     else:
         from torch.profiler import ProfilerActivity, profile
 
-        baseline = live_bytes(model, inner, batches, wopt.scaler.__dict__)
+        # wopt.optimizer, not inner: a precision may have replaced the optimizer (bf16-true: optimi's Kahan AdamW).
+        baseline = live_bytes(model, wopt.optimizer, batches, wopt.scaler.__dict__)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             for _ in range(steps):
                 _run_update(wmodel, wopt, batches, loss_fn)

@@ -354,7 +354,15 @@ def run_trace(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Callable
     fmodel.train()
     with mode, warnings.catch_warnings(), _offload_to_host():
         warnings.simplefilter("ignore")
+        precision = _precision(options)
+        # The precision's storage dtype (bf16-true: bf16 weights, hence bf16 gradients and state) is applied before
+        # the optimizer exists and steps, as it is in training; wrap() below then finds nothing left to convert.
+        precision.convert_module(fmodel)
         inner = optimizer(fmodel) if optimizer is not None else torch.optim.SGD(fmodel.parameters(), lr=0.0)
+        if optimizer is not None and precision.check_optimizer(inner):
+            # wrap() converts a fresh optimizer (e.g. AdamW -> optimi's Kahan-summed AdamW); the steady state is that
+            # optimizer's, so convert before its first step. The stand-in (state from a plugin) is never converted.
+            inner = precision.convert_optimizer(inner, fmodel, step_in_backward=bool(options.get("step_in_backward")))
         params = [p for p in fmodel.parameters() if p.requires_grad]
         if optimizer is not None:  # steady state: the optimizer's state exists before the step
             for p in params:
@@ -374,6 +382,14 @@ def run_trace(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Callable
     ops = (tracker.ops["forward"] + tracker.ops["backward"]) // n_mb
     return TraceResult(tracker.segments, state, total_flops // n_mb, ops, top, n_mb, depth,
                        time.perf_counter() - start)
+
+
+def _precision(options: dict[str, Any]):
+    """The precision plugin instance ``wrap(**options)`` would use (its storage dtype and optimizer conversion)."""
+    from memwrap.precision import get_precision
+
+    comp = options.get("compensation")
+    return get_precision(options.get("precision") or "fp32", **({"compensation": comp} if comp is not None else {}))
 
 
 def drive_step(tracker: SegmentMixin, fmodel: nn.Module, wmodel: nn.Module, wopt: Any, batches: list, loss_fn: Callable,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -70,6 +70,11 @@ PRESETS: dict[str, PresetSpec] = {s.name: s for s in [
                                                  num_attention_heads=64, num_key_value_heads=8,
                                                  max_position_embeddings=4096),
                68_976_648_192, "lm", lm_loss, "Llama-2 70B (grouped-query attention, 8 KV heads)"),
+    PresetSpec("llama-3-8b", Llama, LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                                max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0),
+               8_030_261_248, "lm", lm_loss,
+               "Llama-3 8B (vocabulary 128256, grouped-query attention with 8 KV heads, untied embeddings)"),
     PresetSpec("llama-tiny", Llama, LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688,
                                                  num_hidden_layers=4, num_attention_heads=4,
                                                  max_position_embeddings=256),
@@ -114,13 +119,18 @@ def build_preset(name: str, **config_overrides) -> nn.Module:
 
 
 def preset_batch(name: str, batch_size: int, seq_len: int | None = None, device="cpu",
-                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 generator: torch.Generator | None = None, labels: bool = False) -> Any:
     """Random ``(inputs, targets)`` of the right kind for preset ``name``.
 
     ``seq_len`` is the token count for text models (default: the model's context length) and the
     image side for image models (default 224).
 
-    Example: ``x, y = preset_batch("resnet50", 2, seq_len=64)`` gives ``x.shape == (2, 3, 64, 64)``.
+    ``labels=True`` (text models): a dict of keyword arguments for the model's forward, the input ids under the
+    forward's first parameter name and ``labels`` (the same ids, shifted inside the model, Hugging Face style),
+    so the model computes its own loss (what ``chunked_loss`` replaces).
+
+    Example: ``x, y = preset_batch("resnet50", 2, seq_len=64)`` gives ``x.shape == (2, 3, 64, 64)``;
+    ``preset_batch("llama-tiny", 2, 16, labels=True).keys()`` is ``dict_keys(['input_ids', 'labels'])``.
     """
     spec = get_preset(name)
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -133,6 +143,12 @@ def preset_batch(name: str, batch_size: int, seq_len: int | None = None, device=
     kw = dict(device=device, generator=generator)
     if spec.kind == "lm":
         v = spec.vocab_size
+        if labels:
+            import inspect
+
+            first = list(inspect.signature(spec.model_cls.forward).parameters)[1]  # after self: idx / input_ids
+            ids = torch.randint(0, v, (batch_size, t), **kw)
+            return {first: ids, "labels": ids}
         return torch.randint(0, v, (batch_size, t), **kw), torch.randint(0, v, (batch_size, t), **kw)
     n_classes = getattr(spec.config, "num_labels", None) or spec.config.num_classes
     labels = torch.randint(0, n_classes, (batch_size,), **kw)
