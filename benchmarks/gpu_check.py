@@ -187,6 +187,35 @@ def check_planner_vs_cuda(s: Setup) -> dict:
     return out
 
 
+def check_multi_gpu_planner(s: Setup) -> dict:
+    """Per-rank peak under FSDP2 and DDP on every GPU of the machine (torchrun, nccl) vs the sharded estimate.
+
+    Optional: skipped on a machine with fewer than 2 GPUs (the CPU/gloo version is benchmarks/distributed_planner.py).
+    """
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if s.dry or count < 2:
+        return {"status": "skipped", "reason": f"needs 2 or more GPUs, this machine has {count}"}
+    import tempfile
+
+    import distributed_planner as dp
+
+    rows, bad = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        ranks = dp.measure(count, pathlib.Path(tmp))
+    for i, first in enumerate(ranks[0]):
+        est = dp.predict(count, first["strategy"], dp.CASES[first["case"]])
+        measured = [r[i]["peak"] for r in ranks]
+        ratio = max(measured) / est.peak
+        rows.append({"strategy": first["strategy"], "case": first["case"], "world_size": count,
+                     "predicted": est.peak, "measured": measured, "ratio": ratio})
+        if abs(ratio - 1) > TOLERANCE:
+            bad.append((first["strategy"], first["case"], round(ratio, 3)))
+    out: dict[str, Any] = {"rows": rows, "target": TOLERANCE}
+    if bad:
+        out.update(status="failed", error=f"measured/predicted outside {TOLERANCE:.0%}: {bad}")
+    return out
+
+
 # ----------------------------------------------------------------------------- timing (not correctness)
 
 def check_precision_step_time(s: Setup) -> dict:
@@ -293,6 +322,7 @@ CHECKS: dict[str, tuple[Callable[[Setup], dict], bool]] = {  # name -> (function
     "offload_checkpointing": (check_offload, True),
     "planner_vs_cuda": (check_planner_vs_cuda, True),
     "wrapped_vs_handwritten": (check_wrapped_vs_handwritten, True),
+    "multi_gpu_planner": (check_multi_gpu_planner, True),  # skipped below 2 GPUs
     "precision_step_time": (check_precision_step_time, False),
     "checkpoint_overhead": (check_checkpoint_overhead, False),
     "accumulation_overhead": (check_accumulation_overhead, False),

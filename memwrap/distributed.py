@@ -165,7 +165,7 @@ def is_sharded(params: Any) -> bool:
 
 def _sharding_problem(optimizer: torch.optim.Optimizer) -> str | None:
     if type(optimizer).__module__.split(".")[0] == "bitsandbytes":
-        return "its 8-bit kernels take plain tensors, and FSDP2 (fully_shard) parameters are DTensors"
+        return "bitsandbytes' kernels take plain tensors, and FSDP2 (fully_shard) parameters are DTensors"
     if isinstance(optimizer, getattr(torch.optim, "Adafactor", ())):
         # Measured on torch 2.13: the factored row/column norms reduce over the sharded dimension and
         # the in-place update that follows has no DTensor sharding strategy.

@@ -92,7 +92,9 @@ def measure_rank_peak(factory: Callable[[], nn.Module], make_batch: Callable[[],
     from memwrap.memory.measure import _run_update, _to
     from memwrap.registry import create_optimizer
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device is None and torch.cuda.is_available():
+        device = f"cuda:{torch.cuda.current_device()}"  # the rank's GPU (torch.cuda.set_device(LOCAL_RANK))
+    dev = torch.device(device or "cpu")
     loss_fn = loss_fn or default_loss
     accumulate = int(wrap_options.get("accumulate", 1))
     opt_name = wrap_options.pop("optim", None) or optimizer

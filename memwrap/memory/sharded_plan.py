@@ -123,7 +123,29 @@ def sharding_verdict(plan: Any) -> str:
         parts.append("not on " + ", ".join(
             f"{_layout_name(r['world_size'], r['strategy'])} (needs {plan.fmt(r['required'])} per GPU)"
             for r in misses))
-    return f"per-GPU budget {plan.fmt(plan.budget)}: " + "; ".join(parts) + "."
+    hint = _more_ranks_hint(plan, misses) if not fits else ""
+    return f"per-GPU budget {plan.fmt(plan.budget)}: " + "; ".join(parts) + "." + hint
+
+
+def _more_ranks_hint(plan: Any, misses: list[dict]) -> str:
+    """When no layout fits: the smallest power-of-two multiple of the largest FSDP2 world size at which this
+    rank's shards (parameters, gradients, optimizer state, which shrink as 1/world_size) would leave room.
+    A hint to plan, not a prediction: everything else at the peak is assumed unchanged."""
+    fsdp = [r for r in misses if r["strategy"] == "fsdp2"]
+    if not fsdp:
+        return ""
+    w = max(r["world_size"] for r in fsdp)
+    c = min((c for c in plan.candidates if c.estimate.world_size == w and c.estimate.strategy == "fsdp2"),
+            key=lambda c: c.required)
+    b = c.estimate.breakdown
+    sharded = b["parameters"] + b["gradients"] + b["optimizer_state"]
+    rest = c.estimate.peak - sharded
+    for k in range(1, 11):
+        peak = rest + sharded / 2**k
+        if peak + plan.margin.of(int(peak)) <= plan.budget:
+            return (f" Its shards (parameters, gradients, optimizer state: {plan.fmt(sharded)} of {c.label}'s peak) "
+                    f"shrink as 1/world_size: plan --world-size {w * 2**k} to check whether that many GPUs fit.")
+    return ""
 
 
 def sharded_code(c: Any, global_batch: int, model: str = "model", optimizer: str = "optimizer") -> str:
@@ -132,7 +154,12 @@ def sharded_code(c: Any, global_batch: int, model: str = "model", optimizer: str
     w, s = est.world_size, est.strategy
     opts = ", ".join(f"{k}={v!r}" for k, v in c.options.items())
     launch = (f"# torchrun --nproc-per-node {w} train.py   (global batch {global_batch} = micro-batch {c.micro_batch} x "
-              f"accumulate {c.accumulate} x {w} ranks; a complete script: examples/fsdp2_torchrun.py)")
+              f"accumulate {c.accumulate} x {w} ranks)")
+    if s == "fsdp2":
+        ckpt = c.checkpoint if isinstance(c.checkpoint, str) else "none" if c.checkpoint is None else "auto"
+        launch += (f"\n# complete script: torchrun --nproc-per-node {w} examples/fsdp2_torchrun.py --micro-batch "
+                   f"{c.micro_batch} --accumulate {c.accumulate} --precision {c.precision} --checkpoint {ckpt} "
+                   f"[--preset NAME --seq N]")
     if s == "fsdp2":
         blocks = (f"for block in {model}.{est.stack}:  # one FSDP unit per block, then the root\n    fully_shard(block)\n"
                   if est.stack else "")
