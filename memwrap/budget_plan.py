@@ -168,8 +168,8 @@ class BudgetPlanner:
     def _count(self, n: int, choice: BudgetChoice) -> int:
         count = -(-n // choice.micro_batch)
         if "accumulate" in self.set_by_user:
-            wanted = self.opts.accumulate
-            if wanted > n or -(-n // wanted) > choice.micro_batch:
+            wanted = min(self.opts.accumulate, n)  # a short batch (the epoch's last) has fewer, one sample each
+            if -(-n // wanted) > choice.micro_batch:
                 raise ValueError(
                     f"accumulate={wanted} contradicts budget={format_bytes(self.budget)}: a batch of {n} samples in "
                     f"{wanted} micro-batches needs micro-batches of {-(-n // wanted)}, but the largest that fits is "

@@ -176,8 +176,9 @@ def _loss(model, kind: str, batch) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["tensor", "tuple", "list", "dict", "batch_encoding", "dataclass", "nested"])
 def test_each_batch_type_is_cut_and_trains_as_the_big_batch(kind):
-    # accumulate=3 is the user's setting (kept), so 10 samples are cut unevenly: 4 + 3 + 3, weighted 0.4/0.3/0.3.
-    batches = [_layouts(10, seed)[kind] for seed in range(3)]
+    # accumulate=3 is the user's setting (kept), so 10 samples are cut unevenly: 4 + 3 + 3, weighted 0.4/0.3/0.3;
+    # the epoch's last batch has 2 samples: 1 + 1.
+    batches = [_layouts(10, seed)[kind] for seed in range(3)] + [_layouts(2, 7)[kind]]
     start = Net()
     model = copy.deepcopy(start)
     seen = []
@@ -189,7 +190,7 @@ def test_each_batch_type_is_cut_and_trains_as_the_big_batch(kind):
         _loss(wmodel, kind, micro).backward()
         opt.step()
         opt.zero_grad()
-    assert opt.updates == 3 and len(seen) == 9
+    assert opt.updates == 4 and len(seen) == 11
     assert type(seen[0]) is type(batches[0])
     assert_same_params(model, reference(start, batches, lambda m, b: _loss(m, kind, b), lr=1e-2), atol=1e-6)
     if kind == "nested":
