@@ -61,12 +61,13 @@ def test_estimate_matches_each_ranks_measured_peak(measured, strategy, case):
 @needs_cpu_fsdp2
 @pytest.mark.slow
 def test_measured_ranks_agree_and_fsdp2_saves_memory(measured):
-    # Same shapes on both ranks: the same state when the update starts (summing profiler events instead drifted
-    # by megabytes on rank 1: gloo frees on its own threads); DDP's peaks agree to the byte.
+    # Same shapes on both ranks: DDP's peaks agree to the byte (summing profiler events instead drifted by
+    # megabytes on rank 1: gloo frees on its own threads). Under FSDP2, gloo's block-sized temporaries may
+    # overlap on one rank and not the other (its collectives run on its own threads): at most two blocks apart.
+    block = sum(p.numel() * 4 for p in w.memory_model().transformer.h[0].parameters())
     for key in measured[0]:
-        assert measured[0][key]["baseline"] == measured[1][key]["baseline"], key
-        if key.startswith("ddp"):
-            assert measured[0][key]["peak"] == measured[1][key]["peak"], key
+        gap = abs(measured[0][key]["peak"] - measured[1][key]["peak"])
+        assert gap == 0 if key.startswith("ddp") else gap <= 2 * block, (key, gap)
     assert measured[0]["fsdp2/plain"]["peak"] < measured[0]["ddp/plain"]["peak"]
 
 

@@ -62,6 +62,20 @@ def _allocator_totals(prof, path: str) -> list[int]:
     return [(total, nbytes) for _, total, nbytes in rows]
 
 
+def _total_now() -> int:
+    """The c10 CPU allocator's total live bytes right now (read from one tiny profiled allocation)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        probe = torch.empty(16, dtype=torch.uint8)
+    with tempfile.TemporaryDirectory() as tmp:
+        totals = _allocator_totals(prof, os.path.join(tmp, "now.json"))
+    del probe
+    return totals[0][0] - totals[0][1] if totals else 0
+
+
 def _build(factory: Callable[[], nn.Module], strategy: str, device: torch.device) -> nn.Module:
     from memwrap.memory.sharded import _shard
     from memwrap.memory.trace import find_stack
@@ -126,6 +140,11 @@ def measure_rank_peak(factory: Callable[[], nn.Module], make_batch: Callable[[],
     if not _count_every_thread():
         raise RuntimeError(f"torch {torch.__version__} has no c10 flag caffe2_report_cpu_memory_usage, which "
                            f"per-rank CPU measurement needs; measure on CUDA instead.")
+    # What is alive before this measurement (an earlier measurement's tensors that gloo's threads still hold,
+    # measured up to 3 MB on one rank) is not this run's memory: counted from here.
+    dist.barrier()
+    gc.collect()
+    start = _total_now()
     wmodel, wopt, batches = setup()
     gc.collect()
     dist.barrier()
@@ -133,7 +152,7 @@ def measure_rank_peak(factory: Callable[[], nn.Module], make_batch: Callable[[],
         _run_update(wmodel, wopt, batches, loss_fn)
     with tempfile.TemporaryDirectory() as tmp:
         totals = _allocator_totals(prof, os.path.join(tmp, "trace.json"))
-    baseline = totals[0][0] - totals[0][1] if totals else 0
-    peak = max((t for t, _ in totals), default=baseline)
+    baseline = (totals[0][0] - totals[0][1] if totals else start) - start
+    peak = max((t - start for t, _ in totals), default=baseline)
     result.update(peak=peak, baseline=baseline, method="c10 CPU allocator total (torch.profiler memory events)")
     return result
