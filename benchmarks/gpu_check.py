@@ -32,6 +32,7 @@ try:  # a broken checkout must still leave a JSON that says why (main() records 
     from memwrap.models import lm_loss, preset_batch  # noqa: E402
     from gpu_common import (Setup, compare, environment, expect, grads_of, loss_of, outside_allocator,  # noqa: E402
                             peak_of, split, suggest_margin, train, update, wrapped, write)
+    from gpu_budget import check_budget  # noqa: E402
     IMPORT_ERROR = None
 except Exception as _exc:  # noqa: BLE001
     IMPORT_ERROR = f"{type(_exc).__name__}: {_exc}\n{traceback.format_exc(limit=6)}"
@@ -326,6 +327,7 @@ CHECKS: dict[str, tuple[Callable[[Setup], dict], bool]] = {  # name -> (function
     "precision_step_time": (check_precision_step_time, False),
     "checkpoint_overhead": (check_checkpoint_overhead, False),
     "accumulation_overhead": (check_accumulation_overhead, False),
+    "budget": (check_budget, True),  # benchmarks/gpu_budget.py: wrap(budget=) within the budget on CUDA (issue 13)
 }
 
 
