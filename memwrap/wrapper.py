@@ -36,6 +36,8 @@ def wrap(*objects: Any, **options: Any) -> Any:
     Options (keyword-only): ``precision`` ("fp32", "tf32", "bf16", "fp16"), ``accumulate``,
     ``max_grad_norm``, ``count_items``, ``checkpoint``, ``optim``, ``on_nonfinite`` ("skip" or
     "raise"), ``monitor``, ``scaler`` (fp16 GradScaler settings); Hugging Face ``TrainingArguments`` names are accepted as aliases.
+    ``budget`` (with the loader: its batches are the global batch, cut into micro-batches planned to fit; see
+    :mod:`memwrap.budget_plan`), ``margin`` and ``budget_may_change`` go with it.
 
     Example:
         >>> import memwrap, torch
