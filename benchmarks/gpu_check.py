@@ -33,6 +33,7 @@ try:  # a broken checkout must still leave a JSON that says why (main() records 
     from gpu_common import (Setup, compare, environment, expect, grads_of, loss_of, outside_allocator,  # noqa: E402
                             peak_of, split, suggest_margin, train, update, wrapped, write)
     from gpu_budget import check_budget  # noqa: E402
+    from gpu_ladder import check_ladder  # noqa: E402
     IMPORT_ERROR = None
 except Exception as _exc:  # noqa: BLE001
     IMPORT_ERROR = f"{type(_exc).__name__}: {_exc}\n{traceback.format_exc(limit=6)}"
@@ -328,6 +329,7 @@ CHECKS: dict[str, tuple[Callable[[Setup], dict], bool]] = {  # name -> (function
     "checkpoint_overhead": (check_checkpoint_overhead, False),
     "accumulation_overhead": (check_accumulation_overhead, False),
     "budget": (check_budget, True),  # benchmarks/gpu_budget.py: wrap(budget=) within the budget on CUDA (issue 13)
+    "ladder": (check_ladder, True),  # benchmarks/gpu_ladder.py: issue 12's ladder on ~1B, then 8B under a 24 GiB cap
 }
 
 
