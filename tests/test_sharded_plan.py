@@ -75,8 +75,9 @@ def test_measured_ranks_agree_and_fsdp2_saves_memory(measured):
 
 @needs_cpu_fsdp2
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [{}, {"checkpoint": "every-2"}, {"checkpoint": "full", "accumulate": 2}],
-                         ids=["plain", "every-2", "full-acc"])
+@pytest.mark.parametrize("options", [{}, {"accumulate": 2, "precision": "bf16"}, {"checkpoint": "every-2"},
+                                     {"checkpoint": "full", "accumulate": 2}],
+                         ids=["plain", "acc-bf16", "every-2", "full-acc"])
 def test_fsdp2_extrapolation_equals_full_trace(options):
     from memwrap.memory.estimator import trace_config
     from memwrap.models import build_preset, lm_loss, preset_batch
