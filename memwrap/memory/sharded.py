@@ -191,7 +191,8 @@ def sharding_refusal(optimizer: str, mesh) -> str | None:
     """Why memwrap refuses optimizer ``optimizer`` (a registry name) on FSDP2 shards, or None.
 
     The rule is :func:`memwrap.distributed.check_sharded_optimizer` itself, applied to the optimizer
-    built on a one-layer sharded fake model (so the planner and ``wrap()`` cannot disagree).
+    built on a sharded 2x2 layer (so the planner and ``wrap()`` cannot disagree). An optimizer that
+    cannot even be built there is not refused here: the plan traces it and reports its failure.
     """
     from memwrap.distributed import check_sharded_optimizer
     from memwrap.registry import create_optimizer
