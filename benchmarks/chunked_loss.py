@@ -192,9 +192,9 @@ def write(args, heads, steps) -> None:
               "each chunk's weight gradient to the engine to add. cut-cross-entropy's `torch_compile` path is the "
               "fastest on CPU (fused softmax; it drops ignored tokens first) but selects tokens with a data-dependent "
               "shape, so it cannot be traced on fake tensors for the planner; its Triton `cce` path needs CUDA (not "
-              "measured here). The whole-step estimate of the chunked run is conservative by the amount torch's "
-              "MemTracker counts above the allocator inside the chunked head's backward (the weight and hidden-state "
-              "gradients the autograd.Function returns; see docs/chunked_loss.md)."]
+              "measured here). The whole-step estimate of the chunked GPT (tied head) over-predicts the measured peak "
+              "(an open accounting difference between torch's MemTracker and the allocator, on the safe side; an "
+              "untied Llama of the same shape is predicted exactly; see docs/chunked_loss.md)."]
     (OUT / "chunked_loss.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
