@@ -193,7 +193,7 @@ def write(args, heads, steps) -> None:
               "fastest on CPU (fused softmax; it drops ignored tokens first) but selects tokens with a data-dependent "
               "shape, so it cannot be traced on fake tensors for the planner; its Triton `cce` path needs CUDA (not "
               "measured here). The whole-step estimate of the chunked GPT (tied head) over-predicts the measured peak "
-              "(an open accounting difference between torch's MemTracker and the allocator, on the safe side; an "
+              "(under torch's MemTracker autograd adds the tied weight's two gradients out of place, without it in place: one weight-sized tensor, on the safe side; an "
               "untied Llama of the same shape is predicted exactly; see docs/chunked_loss.md)."]
     (OUT / "chunked_loss.md").write_text("\n".join(lines) + "\n")
     try:
