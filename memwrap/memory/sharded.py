@@ -47,7 +47,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from memwrap.memory.trace import (
-    SegmentMixin, Stack, TraceResult, _offload_to_host, _state, _to_fake, default_loss, drive_step, truncated,
+    SegmentMixin, Stack, TraceResult, _offload_to_host, _precision, _state, _to_fake, default_loss, drive_step, truncated,
 )
 
 __all__ = ["STRATEGIES", "SHARDED_CATEGORIES", "check_sharding", "fake_process_group", "run_fsdp2_trace",
@@ -239,13 +239,21 @@ def run_fsdp2_trace(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Ca
     n_mb = 2 if accumulate > 1 else 1  # as in run_trace: micro-batches 2..N look alike
     wrap_opts = {k: v for k, v in options.items() if k not in ("optim", "monitor", "count_items")}
     wrap_opts["accumulate"] = n_mb
-    fmodel = _shard(_meta_copy(model, stack, depth), stack, mesh)
+    precision = _precision(options)
+    fmodel = _meta_copy(model, stack, depth)
+    # As run_trace: the precision's storage dtype (bf16-true: bf16 weights) is applied before the optimizer exists,
+    # and here before sharding too, so FSDP2 shards (and all-gathers) the dtype training uses.
+    precision.convert_module(fmodel)
+    fmodel = _shard(fmodel, stack, mesh)
     fmodel.train()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode, warnings.catch_warnings(), _offload_to_host():
         warnings.simplefilter("ignore")
         fmodel.to_empty(device=dev)
         inner = optimizer(fmodel) if optimizer is not None else torch.optim.SGD(fmodel.parameters(), lr=0.0)
+        if optimizer is not None and precision.check_optimizer(inner):
+            # wrap() would convert a fresh optimizer (AdamW -> optimi's Kahan AdamW): convert before its first step.
+            inner = precision.convert_optimizer(inner, fmodel, step_in_backward=bool(options.get("step_in_backward")))
         params = [p for p in fmodel.parameters() if p.requires_grad]
         for p in params:
             p.grad = torch.zeros_like(p)
