@@ -232,7 +232,9 @@ class BudgetPlanner:
         current = self.current.optim if self.current is not None else self.optim_name
         optimizers = (current,) if "optim" not in may else tuple(
             dict.fromkeys((self.optim_name,) + _steppable(default_optimizers())))
-        return {"checkpoints": checkpoints, "precisions": precisions, "optimizers": optimizers}
+        # step_in_backward and chunked_loss are fixed at wrap() (budget= applies neither): plan the user's settings only.
+        return {"checkpoints": checkpoints, "precisions": precisions, "optimizers": optimizers,
+                "step_in_backward": (bool(self.opts.step_in_backward),), "chunked_loss": (self.opts.chunked_loss,)}
 
     def _search(self, batch: Any, n: int, shapes: tuple, only: int | None = None, widen: bool = False) -> BudgetChoice:
         """The largest micro-batch (fastest setting at that size) that fits; ``only``: that micro-batch size."""

@@ -12,7 +12,8 @@ from memwrap.memory.cli import register
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
-FAST = ["--precisions", "fp32", "--checkpoints", "none,full", "--optimizers", "adamw,adamw_8bit", "--quiet"]
+FAST = ["--precisions", "fp32", "--checkpoints", "none,full", "--optimizers", "adamw,adamw_8bit", "--quiet",
+        "--step-in-backward", "no", "--chunked-loss", "no"]  # those dimensions: tests/test_ladder.py
 
 
 def run_cli(argv):
@@ -145,7 +146,7 @@ def test_plot_draws_every_candidate(tmp_path, monkeypatch):
 
     p = plan(lambda: build_preset("llama-tiny"), lambda mb: preset_batch("llama-tiny", mb, 16), budget="4GiB",
              global_batch=4, micro_batches=(4, 1), precisions=("fp32",), checkpoints=(None, "full"),
-             optimizers=("adamw", "adamw_8bit"))
+             optimizers=("adamw", "adamw_8bit"), step_in_backward=(False,))
     many = dataclasses.replace(p, candidates=p.candidates * 6)  # 48 bars: more than the old cut of 40
     titles, ticks = [], []
     monkeypatch.setattr(matplotlib.axes.Axes, "set_title", lambda self, t, *a, **k: titles.append(t))
@@ -238,7 +239,8 @@ def mlp(tmp_path, *flags):
     """A factory target whose traces take milliseconds, and its flags."""
     src = tmp_path / "mlp_factory.py"
     src.write_text(MLP)
-    return [f"{src}:build", "--input-shape", "8,16", "--margin-bytes", "0", "--checkpoints", "none", "--quiet", *flags]
+    return [f"{src}:build", "--input-shape", "8,16", "--margin-bytes", "0", "--checkpoints", "none", "--quiet",
+            "--step-in-backward", "no", *flags]
 
 
 @pytest.mark.parametrize("output", [[], ["--json"], ["--json", "PATH"]])

@@ -29,7 +29,7 @@ def grid():
     """One plan over a small grid; its estimates are reused with other budgets below."""
     return plan(factory, make_batch, budget="1GiB", global_batch=4, micro_batches=(4, 1),
                 precisions=("bf16", "fp32"), checkpoints=(None, "full"), optimizers=("adamw", "adamw_8bit"),
-                margin=(0.0, 0))
+                margin=(0.0, 0), step_in_backward=(False,))  # that dimension: tests/test_ladder.py
 
 
 def rerank(p, budget):
@@ -135,7 +135,7 @@ def test_plan_input_errors():
 
 def test_none_names_no_checkpointing_as_in_the_docs():
     p = plan(factory, make_batch, budget="64GiB", global_batch=2, micro_batches=(2,), precisions=("fp32",),
-             checkpoints=("none",), optimizers=("adamw",))
+             checkpoints=("none",), optimizers=("adamw",), step_in_backward=(False,))
     assert not p.skipped and [c.options.get("checkpoint") for c in p.candidates] == [None]
 
 
@@ -269,7 +269,7 @@ def test_a_failing_optimizer_plugin_is_skipped_and_named_not_fatal(register_opti
 
     register_optimizers(_sgd_spec("broken_planner_test", state_bytes=broken, runs_on_fake=False))
     p = plan(factory, make_batch, budget="4GiB", global_batch=2, micro_batches=(2,), precisions=("fp32",),
-             checkpoints=(None,), optimizers=("adamw", "broken_planner_test"))
+             checkpoints=(None,), optimizers=("adamw", "broken_planner_test"), step_in_backward=(False,))
     assert [c.optim for c in p.candidates] == ["adamw"] and p.best.optim == "adamw"
     (label, why), = p.skipped
     assert label.endswith("broken_planner_test") and "state_bytes is broken in this plugin" in why

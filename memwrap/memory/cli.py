@@ -57,7 +57,15 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--input-high", type=int, default=None,
                    help="upper bound of random token ids (--input-dtype long; default 32000)")
     p.add_argument("--micro-batches", help="comma-separated micro-batch sizes to try (default: powers of two)")
-    p.add_argument("--precisions", default="bf16,fp32", help="comma-separated: fp32, tf32, bf16, fp16")
+    p.add_argument("--precisions", default=None,
+                   help="comma-separated precision modes, e.g. bf16,bf16-true (default: every registered precision "
+                        "plugin; `python -c 'import memwrap; print(memwrap.precisions())'`)")
+    p.add_argument("--step-in-backward", default="auto", choices=("auto", "both", "yes", "no"),
+                   help="plan the optimizer step inside backward: auto/both try with and without it where wrap() "
+                        "allows it (default), yes only with it, no never")
+    p.add_argument("--chunked-loss", default="auto", choices=("auto", "both", "yes", "no"),
+                   help="plan the chunked LM-head loss: auto tries it when a loss-head plugin knows the model and the "
+                        "batch carries labels (default), both/yes/no force it")
     p.add_argument("--checkpoints", default=None,
                    help=f"comma-separated checkpoint policies: {', '.join(CHECKPOINT_NAMES)}, or a plugin's policy "
                         f"(default: none,selective,every-2,full,offload and every plugin policy)")
@@ -67,6 +75,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--keep-optim", default="adamw", metavar="NAME",
                    help="the optimizer you train with (default adamw): configurations that keep it rank before those "
                         "that change the optimizer, i.e. the training maths; 'any' ranks by predicted speed alone")
+    p.add_argument("--world-size", default="1", metavar="N[,N...]",
+                   help="data-parallel ranks (GPUs), e.g. 4 or 2,4,8: --budget is then per GPU and --batch the global "
+                        "batch (micro-batch x accumulate x world size)")
+    p.add_argument("--strategy", default=None, metavar="fsdp2|ddp",
+                   help="how the ranks share the model: fsdp2, ddp, or fsdp2,ddp (default with --world-size > 1: both)")
     p.add_argument("--max-grad-norm", type=float, default=None, help="gradient clipping, as in wrap()")
     p.add_argument("--margin", type=float, default=0.08, help="margin as a fraction of the peak (default 0.08)")
     p.add_argument("--margin-bytes", default="1GiB",
@@ -121,6 +134,14 @@ def load_factory(target: str):
         raise PlanInputError(f"{where!r} has no attribute {name!r}.{closest_hint(name, names)}") from None
 
 
+def _world_sizes(text: str) -> list[int]:
+    try:
+        return [int(w) for w in _list(text)]
+    except ValueError:
+        raise PlanInputError(f"--world-size {text!r} must be an integer >= 1 or comma-separated integers, "
+                             f"e.g. 4 or 2,4,8.") from None
+
+
 def _list(text: str | None) -> list[str] | None:
     return None if text is None else [t.strip() for t in text.split(",") if t.strip()]
 
@@ -162,6 +183,10 @@ def _model_and_batches(args):
             raise PlanInputError(str(exc)) from None
         batch = 1 if args.batch is None else args.batch
         seq = args.seq
+        if spec.kind == "lm":
+            # A causal LM preset computes its own loss from labels (as Hugging Face models do): the traced step is
+            # the one training runs, and the chunked LM-head loss can be planned.
+            return spec.factory, (lambda mb: preset_batch(args.preset, mb, seq, labels=True)), batch, None
         return spec.factory, (lambda mb: preset_batch(args.preset, mb, seq)), batch, spec.loss
     if not args.target:
         raise PlanInputError("give a model: --preset NAME or 'package.module:factory'.")
@@ -313,7 +338,9 @@ def run(args: argparse.Namespace) -> int:
                       precisions=_list(args.precisions),
                       checkpoints=_checkpoints(args.checkpoints) if args.checkpoints is not None else None,
                       optimizers=_list(args.optimizers), micro_batches=micro, margin=margin,
-                      max_grad_norm=args.max_grad_norm, keep_optim=keep, progress=progress)
+                      max_grad_norm=args.max_grad_norm, keep_optim=keep, progress=progress,
+                      world_size=_world_sizes(args.world_size), strategy=_list(args.strategy),
+                      step_in_backward=_switch(args.step_in_backward), chunked_loss=_switch(args.chunked_loss))
     except (ValueError, TypeError) as exc:
         progress.close()
         print(f"memwrap plan: {exc}", file=sys.stderr)
@@ -334,6 +361,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(plan_table(result, limit=top))
     return status
+
+
+def _switch(value: str):
+    """``--step-in-backward``/``--chunked-loss``: None (auto), or the values to search."""
+    return {"auto": None, "both": (False, True), "yes": (True,), "no": (False,)}[value]
 
 
 def _loss(preset_loss):

@@ -73,14 +73,19 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        return f"{self.micro_batch}x{self.accumulate} {self.precision} {self.checkpoint or 'no-ckpt'} {self.optim}"
+        layout = f"{self.estimate.strategy}x{self.estimate.world_size} " if self.estimate.strategy else ""
+        from memwrap.memory.techniques import technique_tags
+
+        return (f"{layout}{self.micro_batch}x{self.accumulate} {self.precision} {self.checkpoint or 'no-ckpt'} "
+                f"{self.optim}{technique_tags(self.extra)}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"label": self.label, "micro_batch": self.micro_batch, "accumulate": self.accumulate,
                 "precision": self.precision, "checkpoint": self.checkpoint, "optim": self.optim,
                 "options": self.options, "peak": self.estimate.peak, "margin": self.margin,
                 "required": self.required, "fits": self.fits, "seconds": self.seconds, "cost": self.cost,
-                "changes": list(self.changes), "cost_terms": self.terms, "estimate": self.estimate.to_dict()}
+                "changes": list(self.changes), "cost_terms": self.terms, "estimate": self.estimate.to_dict(),
+                "world_size": self.estimate.world_size, "strategy": self.estimate.strategy}
 
 
 @dataclasses.dataclass
@@ -176,6 +181,21 @@ class Plan:
                     f"changes the training maths ({'; '.join(f.changes)}).")
         return f" It keeps your optimizer ({keep})."
 
+    @property
+    def layouts(self) -> list[dict[str, Any]]:
+        """Per (world_size, strategy) planned: whether a candidate fits, and which (see memwrap.memory.sharded_plan)."""
+        from memwrap.memory.sharded_plan import layout_summary
+
+        return layout_summary(self)
+
+    @property
+    def sharding(self) -> str:
+        """Which world sizes and strategies fit, e.g. 'fits on 4 GPUs with FSDP2; not on 4 GPUs with DDP (...)'
+        ('' for a single-process plan)."""
+        from memwrap.memory.sharded_plan import sharding_verdict
+
+        return sharding_verdict(self)
+
     def with_budget(self, budget: int | str, margin: Any = None) -> Plan:
         """The same candidates judged against another budget (and margin), without tracing again.
 
@@ -190,14 +210,19 @@ class Plan:
     def code(self, model: str = "model", optimizer: str = "optimizer") -> str:
         """The two lines to paste for the best candidate (or the smallest, when nothing fits)."""
         c = self.best or self.smallest
-        opts = ", ".join(f"{k}={v!r}" for k, v in c.options.items())
         note = "" if self.best is not None else " (does NOT fit: the smallest peak found)"
+        if c.estimate.strategy:  # the launcher and fully_shard/DDP lines too (memwrap.memory.sharded_plan)
+            from memwrap.memory.sharded_plan import sharded_code
+
+            return sharded_code(c, self.global_batch, model, optimizer) + note
+        opts = ", ".join(f"{k}={v!r}" for k, v in c.options.items())
         return (f"import memwrap\n{model}, {optimizer} = memwrap.wrap({model}, {optimizer}, {opts})"
                 f"  # micro-batch {c.micro_batch}{note}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"budget": self.budget, "global_batch": self.global_batch, "seconds": self.seconds,
                 "margin": dataclasses.asdict(self.margin), "fits": self.fits, "keep_optim": self.keep_optim,
+                "sharding": self.sharding, "layouts": self.layouts,
                 "changes_maths": bool(self.best and self.best.changes), "verdict": self.verdict,
                 "best": self.best.to_dict() if self.best else None, "code": self.code(),
                 "skipped": [{"label": lab, "reason": why} for lab, why in self.skipped],
@@ -252,14 +277,16 @@ def _expand(global_batch, candidates, micro_batches, precisions, checkpoints, op
     if candidates is not None:
         out = []
         for c in candidates:
-            unknown = set(c) - {"micro_batch", "precision", "checkpoint", "optim"}
+            techniques = {"step_in_backward", "chunked_loss", "compensation"}
+            unknown = set(c) - {"micro_batch", "precision", "checkpoint", "optim"} - techniques
             if unknown:
                 raise ValueError(f"candidate keys {sorted(unknown)} are not known; use micro_batch, precision, "
-                                 f"checkpoint, optim.")
+                                 f"checkpoint, optim, step_in_backward, chunked_loss, compensation.")
             mb = int(c.get("micro_batch", global_batch))
             _micro_batches(global_batch, [mb])
             out.append({"micro_batch": mb, "precision": c.get("precision", "fp32"),
-                        "checkpoint": c.get("checkpoint"), "optim": c.get("optim", "adamw")})
+                        "checkpoint": c.get("checkpoint"), "optim": c.get("optim", "adamw"),
+                        **{k: c[k] for k in techniques if k in c}})
         return out
     return [{"micro_batch": mb, "precision": p, "checkpoint": ck, "optim": o}
             for mb in _micro_batches(global_batch, micro_batches) for p in precisions for ck in checkpoints
@@ -268,10 +295,11 @@ def _expand(global_batch, candidates, micro_batches, precisions, checkpoints, op
 
 def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int], Any], *, budget: int | str,
          global_batch: int, candidates: list[dict] | None = None, loss_fn: Callable | None = None,
-         precisions: Iterable[str] = DEFAULT_PRECISIONS, checkpoints: Iterable[Any] | None = None,
+         precisions: Iterable[str] | None = None, checkpoints: Iterable[Any] | None = None,
          optimizers: Iterable[str] | None = None, micro_batches: Iterable[int] | None = None,
          margin: Any = None, max_grad_norm: float | None = None, keep_optim: str | None = "adamw",
-         progress: Callable[[int, int, str], Any] | None = None) -> Plan:
+         progress: Callable[[int, int, str], Any] | None = None, world_size: Any = 1, strategy: Any = None,
+         step_in_backward: Iterable[bool] | None = None, chunked_loss: Iterable[Any] | None = None) -> Plan:
     """Find the fastest configuration whose predicted peak (plus margin) fits in ``budget``.
 
     ``make_batch(micro_batch_size)`` returns one micro-batch (see :func:`memwrap.estimate` for the
@@ -288,6 +316,13 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
     (8% of the peak + 1 GiB), a fraction such as 0.1 (the 1 GiB fixed part is kept), a
     ``(fraction, size)`` pair such as ``(0.1, "512MiB")`` or ``(0, 0)``, or a :class:`Margin`.
     ``progress(done, total, label)`` is called as traces finish.
+    ``precisions`` defaults to every registered precision plugin (``bf16-true`` included); ``step_in_backward``
+    and ``chunked_loss`` (lists of values, default: both where they apply) and paged optimizer state are plan
+    dimensions too (see :mod:`memwrap.memory.techniques`).
+    ``world_size`` (an int or a list) and ``strategy`` (``"fsdp2"``, ``"ddp"``, a list, or None for both
+    when ``world_size > 1``) make sharding a plan dimension: ``budget`` is per GPU, each rank runs
+    ``micro_batch x accumulate`` of the fixed ``global_batch`` (so ``global_batch`` must be divisible by
+    ``world_size``), and :attr:`Plan.sharding` says which layouts fit (see :mod:`memwrap.memory.sharded_plan`).
 
     Example:
         >>> p = plan(lambda: MyNet(), lambda mb: torch.randn(mb, 3, 224, 224), budget="24GiB",
@@ -305,8 +340,22 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
                         "e.g. lambda mb: preset_batch('gpt2', mb, 1024).")
     margin_ = Margin.parse(margin)
     keep = get_optimizer_spec(keep_optim).name if keep_optim is not None else None  # an alias names the same maths
+    from memwrap.memory.sharded_plan import layouts, plan_layouts, refused_specs
+
+    shardings = layouts(world_size, strategy, global_batch, micro_batches)
+    if len(shardings) > 1:
+        return plan_layouts(plan, shardings, model, make_batch, budget=budget, global_batch=global_batch,
+                            candidates=candidates, loss_fn=loss_fn, precisions=precisions, checkpoints=checkpoints,
+                            optimizers=optimizers, micro_batches=micro_batches, margin=margin,
+                            max_grad_norm=max_grad_norm, keep_optim=keep_optim, progress=progress,
+                            step_in_backward=step_in_backward, chunked_loss=chunked_loss)
+    (ranks, strategy_), = shardings
+    per_rank = global_batch // ranks  # the global batch is fixed: micro-batch x accumulate x world_size
     module = resolve_model(model)
-    specs = _expand(global_batch, candidates, micro_batches, tuple(precisions),
+    from memwrap.memory.techniques import (default_precisions, expand_techniques, over_budget, prune_by_weights,
+                                           technique_values, trace_options)
+
+    specs = _expand(per_rank, candidates, micro_batches, tuple(precisions) if precisions is not None else default_precisions(),
                     tuple(checkpoints) if checkpoints is not None else default_checkpoints(),
                     tuple(optimizers) if optimizers is not None else default_optimizers())
     if not specs:
@@ -314,25 +363,35 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
     for s in specs:
         s["optim"] = get_optimizer_spec(s["optim"]).name
         s["checkpoint"] = _checkpoint_spec(s["checkpoint"])
+    sibs, chunks, notes = technique_values(module, make_batch, min(s["micro_batch"] for s in specs), step_in_backward,
+                                           chunked_loss)
+    specs, not_planned = expand_techniques(specs, sibs, chunks, max_grad_norm=max_grad_norm, ranks=ranks)
     _validate(specs, max_grad_norm)
-    specs, in_backward = _updates_in_backward_refusals(specs, global_batch, max_grad_norm)  # wrap() refuses
+    specs, refused = refused_specs(specs, ranks, strategy_)  # 8-bit / Adafactor on FSDP2 shards: skipped, with why
+    specs, in_backward = _updates_in_backward_refusals(specs, per_rank, max_grad_norm)  # wrap() would refuse them
+    refused = list(refused) + in_backward
+    refused = list(refused) + not_planned  # notes (a dimension that does not apply) are not candidates left out
 
     groups: dict[tuple, list[dict]] = {}
     for s in specs:
-        key = (s["micro_batch"], s["precision"], repr(s["checkpoint"]))
+        key = (s["micro_batch"], s["precision"], repr(s["checkpoint"]), s["step_in_backward"], repr(s["chunked_loss"]),
+               s["compensation"])
         groups.setdefault(key, []).append(s)
     traces: dict[tuple, Any] = {}
-    skipped: list[tuple[str, str]] = list(in_backward)
+    skipped: list[tuple[str, str]] = list(refused)
+    groups, pruned = prune_by_weights(groups, module, budget_bytes, margin_, ranks)  # memwrap.memory.techniques
+    skipped += pruned
     done, total = 0, len(groups)
     results: list[Candidate] = []
     for key, members in groups.items():
         first = members[0]
         mb = first["micro_batch"]
-        options = {"precision": first["precision"], "accumulate": global_batch // mb}
+        options = {"precision": first["precision"], "accumulate": per_rank // mb}
         if first["checkpoint"] is not None:
             options["checkpoint"] = first["checkpoint"]
         if max_grad_norm is not None:
             options["max_grad_norm"] = max_grad_norm
+        options.update(trace_options(first))
         # The user's optimizer (a built-in, usually) is traced first: a plugin's failure then only skips its own rows.
         fake_runnable = sorted((m["optim"] for m in members if get_optimizer_spec(m["optim"]).runs_on_fake),
                                key=lambda o: o != keep)
@@ -341,7 +400,7 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
         if progress is not None:
             progress(done, total, f"tracing micro-batch {mb}, {first['precision']}, {first['checkpoint'] or 'no checkpointing'}")
         try:
-            base = trace_config(module, batch_fn, loss_fn, options, reference)
+            base = trace_config(module, batch_fn, loss_fn, options, reference, world_size=ranks, strategy=strategy_)
         except ValueError as exc:
             if first["checkpoint"] is None:
                 raise
@@ -357,8 +416,12 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
                 tr = derive(base, m["optim"], module)
                 if tr is None:
                     tr = traces.get((key, m["optim"]))
-                    if tr is None:
-                        tr = trace_config(module, batch_fn, loss_fn, options, m["optim"])
+                    low = None if tr is not None else over_budget(base, m["optim"], module, options, budget_bytes, margin_)
+                    if low is not None:  # cannot fit whatever its step needs: not traced (memwrap.memory.techniques)
+                        tr = low
+                    elif tr is None:
+                        tr = trace_config(module, batch_fn, loss_fn, options, m["optim"], world_size=ranks,
+                                          strategy=strategy_)
                         traces[(key, m["optim"])] = tr
                 est = finish(tr, {**options, "optim": m["optim"]}, m["optim"])
             except Exception as exc:  # noqa: BLE001 - one optimizer plugin's failure must not end the plan
@@ -392,6 +455,8 @@ def rank(candidates: list[Candidate], budget: int, margin: Margin, *, keep_optim
         c.fits = c.estimate.peak + c.margin <= budget
         c.cost = c.seconds / fastest if fastest > 0 else 1.0
         c.changes = () if keep_optim is None or c.optim == keep_optim else (f"optimizer {keep_optim} -> {c.optim}",)
+        if c.extra.get("compensation") == "none":  # bf16 storage without compensated updates: small steps round away
+            c.changes += (f"{c.precision} updates uncompensated (compensation='none')",)
     return sorted(candidates, key=lambda c: (0, bool(c.changes), c.seconds) if c.fits else (1, c.required, c.seconds))
 
 
@@ -409,7 +474,10 @@ def _candidate(spec: dict, options: dict, est: Estimate, margin: Margin, budget:
     terms = cost_terms(flops=est.flops, ops=est.ops_per_micro_batch, micro_batches=options["accumulate"],
                        precision=spec["precision"], param_bytes=est.state["parameters"],
                        grad_bytes=est.state["gradients"], state_bytes=est.state["optimizer_state"],
-                       offloaded=est.offloaded)
+                       offloaded=est.offloaded,
+                       # paged state spills what the budget leaves free beyond peak + margin (memwrap.memory.cost)
+                       paged_spill=max(0, est.paged_state - max(0, budget - est.peak - margin.of(est.peak))),
+                       host_state=est.host_state)
     extra = margin.of(est.peak)
     others = {k: v for k, v in options.items() if k not in ("precision", "accumulate", "checkpoint", "optim")}
     return Candidate(spec["micro_batch"], options["accumulate"], spec["precision"], spec["checkpoint"],

@@ -70,8 +70,11 @@ def plan_rows(plan: Any) -> list[list[str]]:
     rows = []
     for i, c in enumerate(plan.candidates, 1):
         b = c.estimate.breakdown
-        rows.append([str(i), c.label, u(b["parameters"] + b["buffers"]), u(b["gradients"]),
-                     u(b["optimizer_state"]), u(b["activations"]), u(b["temporaries"] + b["other"]),
+        g = b.get  # sharded estimates add categories (memwrap.memory.sharded): folded into the nearest column
+        rows.append([str(i), c.label, u(b["parameters"] + b["buffers"] + g("unsharded_parameters", 0)),
+                     u(b["gradients"] + g("unsharded_gradients", 0) + g("gradient_buckets", 0)),
+                     u(b["optimizer_state"]), u(b["activations"]),
+                     u(b["temporaries"] + b["other"] + g("all_gather", 0) + g("reduce_scatter", 0)),
                      u(c.estimate.peak), u(c.margin), "yes" if c.fits else "no", f"{c.cost:.2f}x"])
     return rows
 
@@ -90,7 +93,7 @@ def plan_table(plan: Any, limit: int | None = None) -> str:
     lines += [fmt.format(*r) for r in rows]
     lines += _hidden_line(plan, limit)
     lines += _skipped_lines(plan)
-    lines += ["", plan.verdict, "", plan.code()]
+    lines += ["", plan.verdict] + ([plan.sharding] if getattr(plan, "sharding", "") else []) + ["", plan.code()]
     return "\n".join(lines)
 
 
@@ -98,7 +101,9 @@ def _skipped_lines(plan: Any) -> list[str]:
     if not plan.skipped:
         return []
     reasons = sorted({why.split(". ")[0] for _, why in plan.skipped})
-    return [f"skipped {len(plan.skipped)} candidate(s) that cannot run on this model: " + "; ".join(reasons)]
+    # Candidates that cannot run on this model, those left out by a bound (weights alone over the budget) and notes
+    # on the search space (memwrap.memory.techniques).
+    return [f"skipped {len(plan.skipped)} candidate(s) (not traced): " + "; ".join(reasons)]
 
 
 def print_plan(plan: Any, console: Any = None, limit: int | None = None) -> None:
@@ -123,6 +128,8 @@ def print_plan(plan: Any, console: Any = None, limit: int | None = None) -> None
     for line in _skipped_lines(plan):
         console.print(line, markup=False)
     console.print(plan.verdict)
+    if getattr(plan, "sharding", ""):
+        console.print(plan.sharding)
     # soft_wrap: the two lines to paste must stay two lines, whatever the terminal's width
     console.print(plan.code(), markup=False, highlight=False, soft_wrap=True)
 
