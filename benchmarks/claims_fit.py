@@ -138,23 +138,42 @@ def t5_3b(ctx):
     mk = lambda mb: (torch.randint(0, 256, (mb, seq)), torch.randint(0, 256, (mb, seq)))  # noqa: E731
     from memwrap.memory import plan
 
+    optims = ("adamw", "adamw_8bit", "adafactor")
     p = plan(factory, mk, budget=budget, global_batch=8, micro_batches=(1,), precisions=("bf16",),
-             checkpoints=("full",), optimizers=("adamw", "adamw_8bit", "adafactor"), loss_fn=loss)
+             checkpoints=("full",), optimizers=optims, loss_fn=loss, step_in_backward=(False,))
     c = {x.optim: x for x in p.candidates}
+    # Issue 12's modes: true bf16 weights (no fp32 master copy; 8-bit Adam then steps them uncompensated, as
+    # bitsandbytes does under Trainer's bf16) and paged state, with and without the step inside backward.
+    q = plan(factory, mk, budget=budget, global_batch=8, micro_batches=(1,), precisions=("bf16-true",),
+             checkpoints=("full",), optimizers=("adamw_8bit", "paged_adamw_8bit"), loss_fn=loss)
+    t = {x.optim + ("+sib" if x.extra.get("step_in_backward") else ""): x for x in q.candidates}
     fits = [o for o, x in c.items() if x.fits]
-    measured = "; ".join(f"{o}: {gib(x.estimate.peak)} + margin = {gib(x.required)}" +
+    measured = "; ".join(f"bf16 autocast + {o}: {gib(x.estimate.peak)} + margin = {gib(x.required)}" +
                          (" fits" if x.fits else " does not fit") for o, x in c.items())
-    kind = "holds" if "adamw_8bit" in fits else "does not hold"
+    measured += "; " + "; ".join(f"bf16-true + {o}: {gib(x.estimate.peak)} + margin = {gib(x.required)}"
+                                 + (f" (+ {gib(x.estimate.paged_state)} paged state)" if x.estimate.paged_state else "")
+                                 + (" fits" if x.fits else " does not fit") for o, x in t.items())
+    eight = t.get("adamw_8bit")
+    if "adamw_8bit" in fits:
+        kind, why = "holds", "8-bit Adam's state fits next to fp32 weights and gradients"
+    elif eight is not None and eight.fits:
+        kind = "holds only when"
+        why = ("the weights are stored in bf16 without fp32 masters (memwrap's precision='bf16-true'): then 8-bit "
+               "Adam's state fits next to bf16 weights and gradients. With fp32 master weights (fp16/bf16 autocast, "
+               "the post's fp16=True) weights + gradients alone are ~22.8 GB and 8-bit Adam's 2 B/param overflow "
+               "24 GiB")
+    else:
+        kind, why = "does not hold", ("with fp32 master weights, weights (4 B/param) + gradients (4 B/param) alone are "
+                                      "~22.8 GB; 8-bit Adam's 2 B/param state then overflows 24 GiB, and bf16 weights "
+                                      "do not bring it under either")
+    best = eight if eight is not None and eight.fits else c["adamw_8bit"]
     return _row(f"planner: T5-3B-sized decoder ({n / 1e9:.2f}B parameters; no T5 preset, a GPT-2-style stack of the "
-                f"same size), micro-batch 1 x {seq} tokens, accumulate 8, bf16 autocast, full checkpointing, "
-                f"budget {label} (margin 8% + 1 GiB)", measured, kind,
-                "with fp32 master weights, weights (4 B/param) + gradients (4 B/param) alone are ~22.8 GB; 8-bit "
-                "Adam's 2 B/param state then overflows 24 GiB" if kind == "does not hold" else
-                "8-bit Adam's state fits next to weights and gradients",
-                {"claimed": 24, "value": round(c["adamw_8bit"].required / GIB, 2), "unit": "GiB needed"},
-                fix="Adafactor (factored state) " + ("fits, per the plan" if "adafactor" in fits else "is closest")
-                + "; otherwise bf16 weights without fp32 masters, freezing layers / LoRA, or paged optimizer state "
-                "on the CPU (paged_adamw_8bit)")
+                f"same size), micro-batch 1 x {seq} tokens, accumulate 8, full checkpointing, budget {label} (margin "
+                "8% + 1 GiB); bf16 autocast (fp32 masters) and bf16-true", measured, kind, why,
+                {"claimed": 24, "value": round(best.required / GIB, 2), "unit": "GiB needed"},
+                fix="precision='bf16-true' with 8-bit Adam (planned above)" if kind == "holds only when" else
+                "Adafactor (factored state) " + ("fits, per the plan" if "adafactor" in fits else "is closest")
+                + "; otherwise bf16 weights without fp32 masters, freezing layers / LoRA, or paged optimizer state")
 
 
 def llama_7b(ctx, combo: bool = False):
@@ -175,20 +194,40 @@ def llama_7b(ctx, combo: bool = False):
     from memwrap.memory import plan
 
     p = plan(spec.factory, lambda mb: preset_batch(name, mb, seq), budget=budget, global_batch=8, micro_batches=(1,),
-             precisions=("bf16",), checkpoints=("full",), optimizers=("adamw_8bit", "adafactor"), loss_fn=spec.loss)
+             precisions=("bf16",), checkpoints=("full",), optimizers=("adamw_8bit", "adafactor"), loss_fn=spec.loss,
+             step_in_backward=(False,))
     s = p.smallest
     weights = s.estimate.breakdown["parameters"]
     state = s.estimate.state["parameters"] + s.estimate.state["gradients"] + s.estimate.state["optimizer_state"]
-    return _row(f"planner: {name} ({spec.params / 1e9:.2f}B), micro-batch 1 x {seq}, accumulate 8, bf16, full "
-                f"checkpointing, adamw_8bit / adafactor, budget {gib(budget)}",
-                f"smallest predicted peak {gib(s.estimate.peak)} ({s.label}); fp32 weights alone {gib(weights)}",
-                "does not hold" if not p.fits else "holds",
-                "accumulation shrinks only activations; a full fine-tune keeps fp32 weights and gradients "
-                f"(4 + 4 bytes x {spec.params / 1e9:.1f}B) on the card", {"claimed": 24, "value": round(s.required / GIB, 2),
-                                                                          "unit": "GiB needed"},
-                fix=f"shard the {gib(state)} of weights, gradients and optimizer state over more than "
-                    f"{math.ceil(state / budget)} such GPUs (FSDP), or freeze the base in 8/4 bits and train LoRA "
-                    "adapters (QLoRA; not a memwrap feature)")
+    # Issue 12's modes (true bf16, paged 8-bit AdamW, step in backward, chunked loss): the same global batch of 8,
+    # every micro-batch size, i.e. with and without accumulation.
+    q = plan(spec.factory, lambda mb: preset_batch(name, mb, seq, labels=True), budget=budget, global_batch=8,
+             precisions=("bf16-true",), checkpoints=("full",), optimizers=("paged_adamw_8bit", "adafactor"))
+    accumulated = [c for c in q.candidates if c.accumulate > 1]
+    acc_low = min(accumulated, key=lambda c: c.required)
+    whole = q.best
+    measured = (f"bf16 autocast: smallest predicted peak {gib(s.estimate.peak)} ({s.label}); fp32 weights alone "
+                f"{gib(weights)}. bf16-true with accumulation (accumulate > 1): smallest {gib(acc_low.estimate.peak)} "
+                f"+ margin = {gib(acc_low.required)} ({acc_low.label}; the window's bf16 gradients stay until its last "
+                f"backward)" + (f". Without accumulation it fits: {whole.label}, {gib(whole.estimate.peak)} + margin = "
+                                f"{gib(whole.required)}" + (f" (+ {gib(whole.estimate.paged_state)} paged state)"
+                                                           if whole.estimate.paged_state else "")
+                                if whole is not None and whole.accumulate == 1 else ""))
+    if any(c.fits for c in accumulated):
+        kind, why = "holds only when", "weights are bf16 without fp32 masters (precision='bf16-true') and the state paged"
+    else:
+        kind = "does not hold"
+        why = ("accumulation shrinks only activations and keeps the window's gradients: a full fine-tune with "
+               f"accumulation keeps weights and gradients ({gib(acc_low.estimate.state['parameters'])} each in bf16, "
+               "more in fp32) on the card. What makes 7B fit 24 GiB is the opposite: bf16 weights, paged 8-bit state "
+               "and the step inside backward, which frees each gradient at once, so no accumulation")
+    return _row(f"planner: {name} ({spec.params / 1e9:.2f}B), global batch 8 x {seq}, full checkpointing, budget "
+                f"{gib(budget)}: bf16 autocast (micro-batch 1 x accumulate 8; adamw_8bit / adafactor) and bf16-true "
+                "(every micro-batch; paged_adamw_8bit / adafactor, step in backward, chunked loss)", measured, kind,
+                why, {"claimed": 24, "value": round(acc_low.required / GIB, 2), "unit": "GiB needed with accumulation"},
+                fix=(f"no accumulation: {whole.label} ({gib(whole.required)} with margin); " if whole is not None else "")
+                + f"or shard the {gib(state)} of fp32-master weights, gradients and optimizer state over more than "
+                  f"{math.ceil(state / budget)} such GPUs (FSDP), or a frozen quantized base with LoRA (QLoRA)")
 
 
 def llama_combo(ctx):
