@@ -40,12 +40,26 @@ def _config(dry: bool):
                        num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048), 2, 1024
 
 
-def _row(build, data, opts: dict, device: torch.device, steps: int) -> dict[str, Any]:
+def _on(device: torch.device, build, dtype: torch.dtype | None = None):
+    """``build`` made directly on ``device`` (initialised there: fast on a GPU, no host copy), in ``dtype``."""
+    def made():
+        previous = torch.get_default_dtype()
+        if dtype is not None:
+            torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                return build()
+        finally:
+            torch.set_default_dtype(previous)
+    return made
+
+
+def _row(build, data, opts: dict, device: torch.device, steps: int, dtype: torch.dtype | None = None) -> dict[str, Any]:
     import memwrap
     from memwrap.memory import measure_peak
 
-    est = memwrap.estimate(build, data, **opts)
-    got = measure_peak(build, data, steps=steps, device=device, **opts)
+    est = memwrap.estimate(build, data, **opts)  # built on the meta device: nothing allocated
+    got = measure_peak(_on(device, build, dtype), data, steps=steps, device=device, **opts)
     out = {"predicted": est.peak, "paged_state": est.paged_state, "measured": got["peak"],
            "reserved": got.get("reserved"), "method": got["method"]}
     if device.type == "cpu":  # no unified memory: bitsandbytes' paged state is ordinary memory here
@@ -59,7 +73,7 @@ def _tokens_per_s(build, data, opts: dict, device: torch.device, updates: int) -
 
     opts = dict(opts)
     torch.manual_seed(0)
-    model = build().to(device)
+    model = _on(device, build)()
     optimizer = memwrap.create_optimizer(opts.pop("optim"), model)
     model, optimizer = memwrap.wrap(model, optimizer, **opts)
     batch = {k: v.to(device) for k, v in data.items()}
@@ -101,7 +115,7 @@ def check_ladder(s: Any, budget_s: float = 240.0) -> dict:
 
     rows, bad, not_reached = [], [], []
     for name, opts in _ladder():
-        if time.perf_counter() - start > budget_s:
+        if time.perf_counter() - start > 0.75 * budget_s:  # the rest of the budget is the 8B row's
             not_reached.append(name)
             continue
         try:
@@ -120,8 +134,10 @@ def check_ladder(s: Any, budget_s: float = 240.0) -> dict:
     out: dict[str, Any] = {"model": {"hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers,
                                      "vocab": cfg.vocab_size, "batch": batch, "seq": seq},
                            "rows": rows, "target": TOLERANCE, "not_reached": not_reached}
-    if not s.dry and time.perf_counter() - start < budget_s:
+    if not s.dry and time.perf_counter() - start < 0.8 * budget_s:
         out["llama_3_8b_24GiB"] = _eight_b_capped(s.device)
+    elif not s.dry:
+        out["llama_3_8b_24GiB"] = {"status": "not reached: the ladder rows used the time budget"}
     if bad:
         out.update(status="failed", error=f"rows outside {TOLERANCE:.0%} or failed: {bad}")
     return out
@@ -137,7 +153,9 @@ def _eight_b_capped(device: torch.device) -> dict:
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     try:
         data = preset_batch("llama-3-8b", 2, 2048, labels=True)
-        row = _row(lambda: build_preset("llama-3-8b"), data, opts, device, steps=1)
+        # Built in bf16 on the GPU: an fp32 copy of 8B parameters (30 GiB) would not fit under the cap, and
+        # bf16-true stores bf16 anyway (its conversion is then a no-op).
+        row = _row(lambda: build_preset("llama-3-8b"), data, opts, device, steps=1, dtype=torch.bfloat16)
         row.update(row=name, options=opts, cap_fraction=fraction, status="ok")
         return row
     except torch.cuda.OutOfMemoryError as exc:
