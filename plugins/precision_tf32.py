@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 
 import torch
 
@@ -35,7 +36,7 @@ class TF32(Precision):
 
     def __init__(self, compensation: str | None = None):
         super().__init__(compensation)
-        self._holding = False
+        self._hold: weakref.finalize | None = None
 
     def check(self, device_type: str) -> None:
         if device_type != "cuda":
@@ -47,24 +48,28 @@ class TF32(Precision):
     def enable(self) -> None:
         global _users, _saved
         with _lock:
-            if self._holding:
+            if self._hold is not None and self._hold.alive:
                 return
             if _users == 0:
                 _saved = torch.get_float32_matmul_precision()
             _users += 1
-            self._holding = True
             torch.set_float32_matmul_precision("high")
+        # A wrapped model dropped without unwrap() releases its hold when it is garbage-collected, so a
+        # discarded model cannot keep TF32 on for the rest of the process.
+        self._hold = weakref.finalize(self, _release)
 
     def restore(self) -> None:
-        global _users, _saved
-        with _lock:
-            if not self._holding:
-                return
-            self._holding = False
-            _users -= 1
-            if _users == 0 and _saved is not None:
-                torch.set_float32_matmul_precision(_saved)
-                _saved = None
+        if self._hold is not None:
+            self._hold()  # runs _release at most once, however often unwrap is called
+
+
+def _release() -> None:
+    global _users, _saved
+    with _lock:
+        _users -= 1
+        if _users == 0 and _saved is not None:
+            torch.set_float32_matmul_precision(_saved)
+            _saved = None
 
 
 @hookimpl

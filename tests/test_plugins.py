@@ -465,7 +465,7 @@ def test_plan_and_cli_skip_a_broken_optimizer_with_a_note(site, capsys):
     with pytest.warns(PluginLoadWarning):
         assert memwrap.plan(model, lambda mb: torch.randn(mb, 8), **grid).best is not None  # default optimizers
     p = memwrap.plan(model, lambda mb: torch.randn(mb, 8), optimizers=["adamw", "bytes_bug", "none_fac"], **grid)
-    assert [c.optim for c in p.candidates] == ["adamw"]
+    assert {c.optim for c in p.candidates} == {"adamw"}  # step_in_backward on/off: adamw twice
     notes = {label.split()[-1]: why for label, why in p.skipped}
     assert set(notes) == {"bytes_bug", "none_fac"}
     assert "no bytes today" in notes["bytes_bug"] and "'planbug-dist'" in notes["bytes_bug"]

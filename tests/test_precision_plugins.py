@@ -1,4 +1,5 @@
 """Precision modes are plugins: registry, names, conformance kit, third-party plugins, TF32 restore."""
+import gc
 import types
 import warnings
 
@@ -57,6 +58,7 @@ def test_bad_precision_values_get_a_clear_error():
 
 def test_tf32_is_restored_whatever_the_unwrap_order():
     # Issue 11 item 9: each model saved the value it found, so unwrapping A then B left "high".
+    gc.collect()  # models wrapped with tf32 by earlier tests and dropped release their hold when collected
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("highest")
@@ -70,6 +72,22 @@ def test_tf32_is_restored_whatever_the_unwrap_order():
         memwrap.unwrap(a)  # twice: harmless, does not release b's hold
         assert torch.get_float32_matmul_precision() == "high"
         memwrap.unwrap(b)
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_a_dropped_tf32_model_releases_its_hold():
+    gc.collect()
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            a = memwrap.wrap(torch.nn.Linear(2, 2), precision="tf32")
+        assert torch.get_float32_matmul_precision() == "high"
+        del a
+        gc.collect()
         assert torch.get_float32_matmul_precision() == "highest"
     finally:
         torch.set_float32_matmul_precision(before)
