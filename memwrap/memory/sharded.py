@@ -191,14 +191,15 @@ def sharding_refusal(optimizer: str, mesh) -> str | None:
     """Why memwrap refuses optimizer ``optimizer`` (a registry name) on FSDP2 shards, or None.
 
     The rule is :func:`memwrap.distributed.check_sharded_optimizer` itself, applied to the optimizer
-    built on a sharded 2x2 layer (so the planner and ``wrap()`` cannot disagree). An optimizer that
-    cannot even be built there is not refused here: the plan traces it and reports its failure.
+    built on a sharded 64x64 layer (so the planner and ``wrap()`` cannot disagree), then one real
+    step there (a plugin optimizer that fails on DTensors is refused with its error). An optimizer
+    that cannot even be built there is not refused here: the plan traces it and reports its failure.
     """
     from memwrap.distributed import check_sharded_optimizer
     from memwrap.registry import create_optimizer
 
-    # A real 2x2 layer (a few bytes): optimizer constructors may read values, which fake tensors cannot.
-    probe = _shard(nn.Linear(2, 2), None, mesh)
+    # A real 64x64 layer (16 KiB): optimizer constructors and steps may read values, which fake tensors cannot.
+    probe = _shard(nn.Linear(64, 64), None, mesh)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -209,6 +210,15 @@ def sharding_refusal(optimizer: str, mesh) -> str | None:
             check_sharded_optimizer(built)
         except ValueError as exc:
             return str(exc)
+        # An optimizer memwrap does not know (a plugin's) may still fail on DTensors: one real step says so.
+        for p in probe.parameters():
+            p.grad = torch.zeros_like(p)
+        try:
+            built.step()
+        except Exception as exc:  # noqa: BLE001 - whatever the optimizer raises is the reason it is refused
+            return (f"{type(built).__name__} ({type(built).__module__.split('.')[0]}) cannot step FSDP2's DTensor "
+                    f"parameters: {type(exc).__name__}: {str(exc)[:160]}. Fix: under FSDP2 use an elementwise torch "
+                    f"optimizer (optim='adamw'), or train with DDP, where every optimizer sees ordinary tensors.")
     return None
 
 
