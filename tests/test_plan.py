@@ -255,12 +255,28 @@ def test_default_optimizers_come_from_the_registry_third_party_plugins_included(
     defaults = default_optimizers()
     assert "sgd_planner_test" in defaults
     assert set(defaults) == {r.name for r in optimizers() if r.available}
+    # keep_optim=None ranks by speed alone, so every default optimizer is searched.
     p = plan(factory, make_batch, budget="4GiB", global_batch=2, micro_batches=(2,), precisions=("fp32",),
-             checkpoints=(None,), optimizers=None)
+             checkpoints=(None,), optimizers=None, keep_optim=None)
     assert {c.optim for c in p.candidates} >= {"adamw", "sgd_planner_test"}
     sgd = next(c for c in p.candidates if c.optim == "sgd_planner_test")
     direct = estimate(factory, lambda: make_batch(2), precision="fp32", accumulate=1, optim="sgd_planner_test")
     assert sgd.estimate.peak == direct.peak  # planned like a built-in: traced through the plugin's own factory
+
+
+def test_other_optimizers_are_searched_only_when_the_users_does_not_fit(register_optimizers):
+    register_optimizers(_sgd_spec("sgd_planner_test"))
+    grid = dict(global_batch=2, micro_batches=(2,), precisions=("fp32",), checkpoints=(None,), step_in_backward=(False,))
+    fits = plan(factory, make_batch, budget="4GiB", **grid)  # adamw fits: the best plan cannot change the optimizer
+    assert {c.optim for c in fits.candidates} == {"adamw"} and fits.best.optim == "adamw"
+    assert any("other optimizers not searched" in why for _, why in fits.skipped)
+    adamw = fits.candidates[0].estimate.peak
+    sgd_peak = estimate(factory, lambda: make_batch(2), precision="fp32", accumulate=1, optim="sgd_planner_test").peak
+    assert sgd_peak < adamw
+    # A budget only the smaller state fits: the whole registry is searched and the change of maths is named.
+    tight = plan(factory, make_batch, budget=(adamw + sgd_peak) // 2, margin=(0, 0), **grid)
+    assert "sgd_planner_test" in {c.optim for c in tight.candidates} and len({c.optim for c in tight.candidates}) > 2
+    assert tight.best is not None and tight.best.optim != "adamw" and tight.best.changes
 
 
 def test_a_failing_optimizer_plugin_is_skipped_and_named_not_fatal(register_optimizers):

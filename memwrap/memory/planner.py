@@ -247,6 +247,17 @@ def default_optimizers() -> tuple[str, ...]:
     return tuple(r.name for r in optimizers() if r.available)
 
 
+def _smaller_state(keep: str) -> tuple[str, ...]:
+    """``keep`` and the installed optimizers that can need less device memory than it: less state per parameter,
+    or paged/host state. When ``keep`` fits nowhere these are the only optimizers that could fit, so the others
+    are not traced (a larger state can only add memory)."""
+    from memwrap.registry import optimizers
+
+    rows = [r for r in optimizers() if r.available]
+    own = next((r.state_bytes_per_param for r in rows if r.name == keep), float("inf"))
+    return (keep,) + tuple(r.name for r in rows if r.name != keep and (r.state_bytes_per_param < own or r.paged))
+
+
 def default_checkpoints() -> tuple[Any, ...]:
     """The built-in checkpoint policy forms (:data:`DEFAULT_CHECKPOINTS`) and every policy a plugin
     registers: the plan's default checkpointing search space.
@@ -311,7 +322,9 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
     ``optimizers`` (default: :func:`default_optimizers`, every installed registry optimizer).
     ``keep_optim`` is the optimizer you train with (default ``"adamw"``): fitting candidates that keep it
     rank before those that change the optimizer (the training maths), whatever their speed, and the
-    verdict says when the best one changes it; None ranks every fitting candidate by speed alone.
+    verdict says when the best one changes it; None ranks every fitting candidate by speed alone. With the
+    default ``optimizers`` and a ``keep_optim``, the search is staged: ``keep_optim`` alone first, and only
+    when nothing keeping it fits, the installed optimizers with less (or paged) state per parameter.
     ``margin`` is kept free beyond each predicted peak (see :class:`Margin`): None for the default
     (8% of the peak + 1 GiB), a fraction such as 0.1 (the 1 GiB fixed part is kept), a
     ``(fraction, size)`` pair such as ``(0.1, "512MiB")`` or ``(0, 0)``, or a :class:`Margin`.
@@ -349,6 +362,19 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
                             optimizers=optimizers, micro_batches=micro_batches, margin=margin,
                             max_grad_norm=max_grad_norm, keep_optim=keep_optim, progress=progress,
                             step_in_backward=step_in_backward, chunked_loss=chunked_loss)
+    if optimizers is None and candidates is None and keep is not None:
+        # Candidates keeping the user's optimizer rank first whenever one fits, so the other optimizers can only
+        # matter when none does: search them only then (38 installed optimizers would multiply the traces).
+        kept = plan(model, make_batch, budget=budget, global_batch=global_batch, loss_fn=loss_fn, precisions=precisions,
+                    checkpoints=checkpoints, optimizers=(keep,), micro_batches=micro_batches, margin=margin,
+                    max_grad_norm=max_grad_norm, keep_optim=keep, progress=progress, world_size=world_size,
+                    strategy=strategy, step_in_backward=step_in_backward, chunked_loss=chunked_loss)
+        if kept.best is not None and kept.best.fits and not kept.best.changes:
+            kept.skipped.append(("(search space)", f"other optimizers not searched: a configuration keeping {keep} "
+                                                   "fits (pass optimizers=... / --optimizers to compare others)"))
+            kept.seconds = time.perf_counter() - start
+            return kept
+        optimizers = _smaller_state(keep)
     (ranks, strategy_), = shardings
     per_rank = global_batch // ranks  # the global batch is fixed: micro-batch x accumulate x world_size
     module = resolve_model(model)
@@ -364,7 +390,7 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
         s["optim"] = get_optimizer_spec(s["optim"]).name
         s["checkpoint"] = _checkpoint_spec(s["checkpoint"])
     sibs, chunks, notes = technique_values(module, make_batch, min(s["micro_batch"] for s in specs), step_in_backward,
-                                           chunked_loss)
+                                           chunked_loss, ranks)
     specs, not_planned = expand_techniques(specs, sibs, chunks, max_grad_norm=max_grad_norm, ranks=ranks)
     _validate(specs, max_grad_norm)
     specs, refused = refused_specs(specs, ranks, strategy_)  # 8-bit / Adafactor on FSDP2 shards: skipped, with why

@@ -45,7 +45,7 @@ def _has_labels(batch: Any) -> bool:
 
 
 def technique_values(module: torch.nn.Module, make_batch: Callable[[int], Any], micro_batch: int,
-                     step_in_backward: Iterable[bool] | None, chunked_loss: Iterable[Any] | None
+                     step_in_backward: Iterable[bool] | None, chunked_loss: Iterable[Any] | None, ranks: int = 1
                      ) -> tuple[tuple[bool, ...], tuple[Any, ...], list[str]]:
     """The values of ``step_in_backward`` and ``chunked_loss`` to search, and why a default left one out.
 
@@ -60,6 +60,10 @@ def technique_values(module: torch.nn.Module, make_batch: Callable[[int], Any], 
     sib = (False, True) if step_in_backward is None else tuple(bool(v) for v in step_in_backward)
     if chunked_loss is not None:
         return sib, tuple(chunked_loss), notes
+    if ranks > 1:  # wrap() refuses it there: the adapter calls the model's body, past DDP's and FSDP2's forward
+        notes.append("chunked_loss not searched: wrap() refuses it under DDP/FSDP2 (the loss head calls the "
+                     "model's body directly, around the wrapper's forward).")
+        return sib, (False,), notes
     from memwrap.loss_head import LossHeadError, find_loss_head
 
     try:
@@ -117,6 +121,9 @@ def expand_techniques(specs: list[dict], sibs: tuple[bool, ...], chunks: tuple[A
         for sib in ((s["step_in_backward"],) if "step_in_backward" in s else sibs):
             for chunk in ((s["chunked_loss"],) if "chunked_loss" in s else chunks):
                 spec = {**base, "step_in_backward": bool(sib), "chunked_loss": chunk}
+                if chunk and ranks > 1:
+                    refused.append((label(spec), "chunked_loss with several ranks: wrap() refuses it under DDP/FSDP2"))
+                    continue
                 spec["compensation"] = s.get("compensation", compensation_for(s["precision"], s["optim"]))
                 why = _refusal(spec, get_precision_class(s["precision"]), get_optimizer_spec(s["optim"]),
                                max_grad_norm, ranks) if sib else None
