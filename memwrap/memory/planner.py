@@ -26,13 +26,13 @@ from memwrap.memory.budget import format_bytes, parse_budget
 from memwrap.memory.cost import cost_terms
 from memwrap.memory.estimator import Estimate, derive, finish, resolve_model, trace_config
 from memwrap.memory.margin import Margin
+# The search space (defaults learned from the registries, micro-batch sizes, the candidate grid); its names stay
+# importable from here.
+from memwrap.memory.search_space import (DEFAULT_CHECKPOINTS, DEFAULT_PRECISIONS, _expand,
+                                         _smaller_state, default_checkpoints, default_optimizers)
 
 __all__ = ["Candidate", "Margin", "Plan", "plan", "rank", "DEFAULT_PRECISIONS", "DEFAULT_CHECKPOINTS",
            "default_optimizers", "default_checkpoints"]
-
-DEFAULT_PRECISIONS = ("bf16", "fp32")
-# The built-in policy forms; default_checkpoints() adds the policies plugins register.
-DEFAULT_CHECKPOINTS = (None, "selective", "every-2", "full", "offload")
 
 
 @dataclasses.dataclass
@@ -232,76 +232,6 @@ class Plan:
         from memwrap.memory.report import plan_table
 
         return plan_table(self)
-
-
-def default_optimizers() -> tuple[str, ...]:
-    """Every registered optimizer whose backend is installed (built-in and third-party plugins alike):
-    the plan's default search space. A plugin's optimizer is planned like a built-in one.
-
-    Example:
-        >>> "adamw" in default_optimizers()
-        True
-    """
-    from memwrap.registry import optimizers
-
-    return tuple(r.name for r in optimizers() if r.available)
-
-
-def _smaller_state(keep: str) -> tuple[str, ...]:
-    """``keep`` and the installed optimizers that can need less device memory than it: less state per parameter,
-    or paged/host state. When ``keep`` fits nowhere these are the only optimizers that could fit, so the others
-    are not traced (a larger state can only add memory)."""
-    from memwrap.registry import optimizers
-
-    rows = [r for r in optimizers() if r.available]
-    own = next((r.state_bytes_per_param for r in rows if r.name == keep), float("inf"))
-    return (keep,) + tuple(r.name for r in rows if r.name != keep and (r.state_bytes_per_param < own or r.paged))
-
-
-def default_checkpoints() -> tuple[Any, ...]:
-    """The built-in checkpoint policy forms (:data:`DEFAULT_CHECKPOINTS`) and every policy a plugin
-    registers: the plan's default checkpointing search space.
-
-    Example:
-        >>> default_checkpoints()[:2]
-        (None, 'selective')
-    """
-    from memwrap.checkpoint_policies import plugin_policies
-
-    return DEFAULT_CHECKPOINTS + tuple(sorted(plugin_policies()))
-
-
-def _micro_batches(global_batch: int, given: Iterable[int] | None) -> list[int]:
-    if given is not None:
-        sizes = sorted({int(m) for m in given}, reverse=True)
-        bad = [m for m in sizes if m < 1 or global_batch % m]
-        if bad:
-            raise ValueError(f"micro-batch sizes {bad} do not divide global_batch={global_batch}; "
-                             f"valid: {[d for d in range(1, global_batch + 1) if global_batch % d == 0]}.")
-        return sizes
-    sizes = sorted({d for d in range(1, global_batch + 1) if global_batch % d == 0 and (d & (d - 1) == 0)}
-                   | {global_batch}, reverse=True)
-    return sizes if len(sizes) <= 4 else sizes[:3] + [1]
-
-
-def _expand(global_batch, candidates, micro_batches, precisions, checkpoints, optimizers) -> list[dict]:
-    if candidates is not None:
-        out = []
-        for c in candidates:
-            techniques = {"step_in_backward", "chunked_loss", "compensation"}
-            unknown = set(c) - {"micro_batch", "precision", "checkpoint", "optim"} - techniques
-            if unknown:
-                raise ValueError(f"candidate keys {sorted(unknown)} are not known; use micro_batch, precision, "
-                                 f"checkpoint, optim, step_in_backward, chunked_loss, compensation.")
-            mb = int(c.get("micro_batch", global_batch))
-            _micro_batches(global_batch, [mb])
-            out.append({"micro_batch": mb, "precision": c.get("precision", "fp32"),
-                        "checkpoint": c.get("checkpoint"), "optim": c.get("optim", "adamw"),
-                        **{k: c[k] for k in techniques if k in c}})
-        return out
-    return [{"micro_batch": mb, "precision": p, "checkpoint": ck, "optim": o}
-            for mb in _micro_batches(global_batch, micro_batches) for p in precisions for ck in checkpoints
-            for o in optimizers]
 
 
 def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int], Any], *, budget: int | str,
