@@ -19,7 +19,7 @@ import torch
 
 import memwrap
 from memwrap.memory import format_bytes
-from memwrap.memory.measure import live_bytes
+from memwrap.memory.measure import allocator_growth, live_bytes
 from memwrap.models import build_preset, lm_loss
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
@@ -28,18 +28,8 @@ FRACTIONS = (1.2, 0.7, 0.45, 0.3)
 
 
 def allocator_peak(fn, *alive) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
     gc.collect()
-    baseline = live_bytes(*alive)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    running = peak = 0
-    for _, n in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                       if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")):
-        running += n
-        peak = max(peak, running)
-    return baseline + peak
+    return live_bytes(*alive) + allocator_growth(fn)
 
 
 def run(fraction: float, plain: int, start, batches) -> dict:

@@ -35,6 +35,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import memwrap  # noqa: E402
 from memwrap.loss_head import default_chunk_size, linear_cross_entropy  # noqa: E402
 from memwrap.memory import measure_peak  # noqa: E402
+from memwrap.memory.measure import allocator_growth  # noqa: E402
 from memwrap.models import GPT, GPTConfig  # noqa: E402
 
 OUT = pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
@@ -57,18 +58,8 @@ def cce_compile(h, w, y):
 
 def allocator_peak(fn) -> int:
     """Most bytes the CPU allocator held above its level when ``fn`` started (profiler memory events)."""
-    from torch.profiler import ProfilerActivity, profile
-
     gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]" and str(e.device_type()).endswith("CPU"))
-    running = peak = 0
-    for _, nbytes in events:
-        running += nbytes
-        peak = max(peak, running)
-    return peak
+    return allocator_growth(fn)
 
 
 def runs_on_fake(method, n, hidden, vocab) -> str:

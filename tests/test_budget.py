@@ -17,7 +17,7 @@ from torch import nn
 import memwrap
 from memwrap.batch_split import UncuttableBatchError, cut_batch, cut_sizes
 from memwrap.budget_plan import BudgetTooSmallError
-from memwrap.memory.measure import live_bytes
+from memwrap.memory.measure import allocator_growth, live_bytes
 from memwrap.models import build_preset, lm_loss
 
 GPT = dict(n_layer=2, vocab_size=512, n_embd=64, n_head=2, dropout=0.0)
@@ -52,19 +52,8 @@ def assert_same_params(a: nn.Module, b: nn.Module, atol: float = 2e-5) -> None:
 
 def allocator_peak(fn, *alive) -> int:
     """Peak live CPU bytes during ``fn()``: bytes alive at the start plus the allocator's running total."""
-    from torch.profiler import ProfilerActivity, profile
-
     gc.collect()
-    baseline = live_bytes(*alive)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]" and str(e.device_type()).endswith("CPU"))
-    running = peak = 0
-    for _, n in events:
-        running += n
-        peak = max(peak, running)
-    return baseline + peak
+    return live_bytes(*alive) + allocator_growth(fn)
 
 
 def quiet(options: dict) -> dict:

@@ -12,6 +12,7 @@ from torch import nn
 
 import memwrap
 from memwrap.loss_head import LossHeadError, LossHeadSpec, default_chunk_size, linear_cross_entropy
+from memwrap.memory.measure import allocator_growth
 from memwrap.models import GPT, GPTConfig, Llama, LlamaConfig, causal_lm_loss
 
 from conftest import rel_err
@@ -83,16 +84,7 @@ def test_transform_and_frozen_inputs():
 
 
 def _allocator_peak(fn) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    running = peak = 0
-    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                            if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")):
-        running += nbytes
-        peak = max(peak, running)
-    return peak
+    return allocator_growth(fn)
 
 
 def test_recompute_accumulates_the_weight_gradient_in_place():

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 from memwrap.memory.monitor import process_memory, reset_process_peak
 from memwrap.memory.batch import default_loss, split_batch
 
-__all__ = ["measure_peak", "live_bytes"]
+__all__ = ["measure_peak", "live_bytes", "allocator_growth"]
 
 
 def live_bytes(*objects: Any) -> int:
@@ -70,6 +70,28 @@ def live_bytes(*objects: Any) -> int:
     for obj in objects:
         visit(obj)
     return total
+
+
+def allocator_growth(fn: Callable[[], Any]) -> int:
+    """Most bytes the CPU allocator held above its level when ``fn`` started, from the profiler's memory events.
+
+    Add :func:`live_bytes` of what was alive before to get a peak comparable with ``measure_peak``.
+
+    Example:
+        >>> allocator_growth(lambda: torch.ones(1024)) >= 4096
+        True
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and str(e.device_type()).endswith("CPU"))
+    running = peak = 0
+    for _, nbytes in events:
+        running += nbytes
+        peak = max(peak, running)
+    return peak
 
 
 def _run_update(wmodel, wopt, batches, loss_fn) -> None:
@@ -138,19 +160,14 @@ def measure_peak(model: nn.Module | Callable[[], nn.Module], batch: Any, loss_fn
             _run_update(wmodel, wopt, batches, loss_fn)
         result.update(peak=None, baseline=live_bytes(model, wopt.optimizer, batches), method="process RSS only")
     else:
-        from torch.profiler import ProfilerActivity, profile
-
         # wopt.optimizer, not inner: a precision may have replaced the optimizer (bf16-true: optimi's Kahan AdamW).
         baseline = live_bytes(model, wopt.optimizer, batches, wopt.scaler.__dict__)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+
+        def updates() -> None:
             for _ in range(steps):
                 _run_update(wmodel, wopt, batches, loss_fn)
-        events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                        if e.name() == "[memory]" and str(e.device_type()).endswith("CPU"))
-        running = peak = 0
-        for _, nbytes in events:
-            running += nbytes
-            peak = max(peak, running)
+
+        peak = allocator_growth(updates)
         result.update(peak=baseline + peak, baseline=baseline, method="torch.profiler CPU allocator events")
     mem = process_memory()
     result.update(rss_start=rss_start, rss_peak=mem["peak"])
