@@ -65,6 +65,10 @@ class Precision:
         compensations: values the ``compensation=`` wrap option may take with this mode (empty: the
             option must stay unset).
         description: one line for :func:`precisions`.
+        memory_like: the name of another mode whose training step takes exactly the same memory (``tf32``
+            is ``fp32`` with other matmul kernels; ``fp16`` is ``bf16`` plus a GradScaler's two scalars), or
+            None. The planner traces such a mode once, as that one, and ranks both with their own speed;
+            ``tests/test_plan.py`` checks each built-in claim against two real traces.
 
     Example:
         >>> Precision().memory_per_param(torch.empty(10, device="meta"))
@@ -79,6 +83,7 @@ class Precision:
     optimizer_requirement = ""
     compensations: tuple[str, ...] = ()
     description = "fp32 weights and maths; no autocast, no loss scaling."
+    memory_like: str | None = None
 
     def __init__(self, compensation: str | None = None):
         if compensation is not None and compensation not in self.compensations:

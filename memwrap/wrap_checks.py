@@ -76,9 +76,9 @@ def check_wrap(objects: tuple[Any, ...], options: dict[str, Any]) -> WrapPlan:
         from memwrap.registry import get_optimizer_spec
 
         spec = get_optimizer_spec(opts.optim)  # an unknown name fails here, with its did-you-mean
-        _check_updates_in_backward(spec.name if spec.updates_in_backward else None, opts, precision)
+        _check_updates_in_backward(spec.name if spec.updates_in_backward else None, opts, precision, model)
     elif optimizer is not None and getattr(optimizer, "updates_in_backward", False):
-        _check_updates_in_backward(type(optimizer).__name__, opts, precision)
+        _check_updates_in_backward(type(optimizer).__name__, opts, precision, model)
     device_type = _device_type(model, optimizer)
     precision.check(device_type)  # called from here: its warnings use stacklevel=4, the user's wrap() line
     checkpoint = _check_checkpointing(model, opts) if model is not None else None
@@ -91,10 +91,23 @@ def check_wrap(objects: tuple[Any, ...], options: dict[str, Any]) -> WrapPlan:
                     device_type, checkpoint, loss_head)
 
 
-def _check_updates_in_backward(name: str | None, opts: Any, precision: Any) -> None:
-    """An optimizer that updates inside backward (LOMO, layer-wise GaLore) leaves nothing to accumulate, clip or unscale."""
+def _check_updates_in_backward(name: str | None, opts: Any, precision: Any, model: nn.Module | None = None) -> None:
+    """An optimizer that updates inside backward (LOMO, layer-wise GaLore) leaves nothing to accumulate, clip or unscale,
+    and under DDP/FSDP2 it would update before the gradients are averaged across ranks."""
     if name is None:
         return
+    from memwrap.distributed import sync_control
+
+    if model is not None and sync_control(model) is not None:
+        # Measured (2 ranks, gloo): under DDP, LOMO's hooks update with each rank's own gradient before the all-reduce,
+        # and the ranks' weights drift apart (0.16 after one update); under FSDP2 its hooks sit on the sharded
+        # parameters, which autograd never reaches, so the update falls back to after backward and holds every
+        # gradient: the optimizer's whole point is lost.
+        raise ValueError(f"optimizer {name} updates each parameter inside backward(), but {type(model).__name__} "
+                         "(DDP/FSDP2) averages the gradients across ranks only after that: each rank would update "
+                         "with its own gradient (DDP) or the update would wait for the gradients anyway (FSDP2). Fix: "
+                         "an optimizer that steps after backward (e.g. optim='sgd' or 'adamw'; FSDP2 already shards "
+                         "gradients and state), or train on one device.")
     refused = [text for text, on in (
         (f"accumulate={opts.accumulate} (each micro-batch would update the weights)", opts.accumulate > 1),
         (f"max_grad_norm={opts.max_grad_norm} (the global norm is known only after the updates)",

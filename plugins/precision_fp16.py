@@ -23,6 +23,7 @@ class FP16(AutocastPrecision):
     uses_scaler = True
     optimizer_requirement = "skips the update when GradScaler finds inf/NaN (every torch optimizer does)"
     description = "fp32 weights, forward under fp16 autocast, dynamic loss scaling (GradScaler)."
+    memory_like = "bf16"  # autocast casts the same ops to a 2-byte type; the scaler adds two scalars
 
     def make_scaler(self, device_type: str) -> torch.amp.GradScaler:
         return torch.amp.GradScaler(_scaler_device(device_type), enabled=True)

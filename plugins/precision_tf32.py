@@ -33,6 +33,7 @@ class TF32(Precision):
     name = "tf32"
     aliases = ("tensorfloat32", "tf32-mixed")
     description = "fp32 weights, CUDA matmuls in TF32 (torch.set_float32_matmul_precision('high'))."
+    memory_like = "fp32"  # the same tensors as fp32; only the matmul kernels differ
 
     def __init__(self, compensation: str | None = None):
         super().__init__(compensation)

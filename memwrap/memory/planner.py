@@ -28,8 +28,9 @@ from memwrap.memory.estimator import Estimate, derive, finish, resolve_model, tr
 from memwrap.memory.margin import Margin
 # The search space (defaults learned from the registries, micro-batch sizes, the candidate grid); its names stay
 # importable from here.
-from memwrap.memory.search_space import (DEFAULT_CHECKPOINTS, DEFAULT_PRECISIONS, _expand,
-                                         _smaller_state, default_checkpoints, default_optimizers)
+from memwrap.memory.search_space import (DEFAULT_CHECKPOINTS, DEFAULT_PRECISIONS, _checkpoint_spec, _expand,
+                                         _smaller_state, _updates_in_backward_refusals, _validate,
+                                         default_checkpoints, default_optimizers)
 
 __all__ = ["Candidate", "Margin", "Plan", "plan", "rank", "DEFAULT_PRECISIONS", "DEFAULT_CHECKPOINTS",
            "default_optimizers", "default_checkpoints"]
@@ -100,6 +101,7 @@ class Plan:
     seconds: float
     skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (label, why) not traceable
     keep_optim: str | None = None  # the user's optimizer; None: ranked by speed alone
+    keep_note: str = ""  # why no candidate keeping keep_optim was traced, when it was searched but left out
 
     @property
     def unit(self) -> tuple[str, int]:
@@ -149,7 +151,9 @@ class Plan:
                     f"your setup, or free memory.")
         s = self.smallest
         cat = s.estimate.dominant
-        advice = {
+        from memwrap.memory.sharded_plan import sharded_advice
+
+        advice = sharded_advice(s, cat) or {
             "parameters": "the weights alone are too large: shard them (FSDP) or use a smaller model.",
             "gradients": "gradients are the largest part: shard them (FSDP/ZeRO-2) or freeze part of the model.",
             "optimizer_state": "optimizer state dominates: shard it (ZeRO-1/FSDP) or pick an optimizer with less state.",
@@ -170,6 +174,8 @@ class Plan:
             if kept:
                 low = min(kept, key=lambda c: c.required)
                 why = (f"no candidate with {keep} fits (the smallest, {low.label}, needs {self.fmt(low.required)})")
+            elif self.keep_note:
+                why = self.keep_note
             else:
                 why = f"{keep} was not among the optimizers searched"
             return (f" NOTE: this changes the training maths ({'; '.join(b.changes)}): {why}. The new optimizer "
@@ -202,10 +208,13 @@ class Plan:
         Example:
             >>> p.with_budget("80GiB").best  # doctest: +SKIP
         """
+        from memwrap.memory.sharded_plan import fewest_gpus_first
+
         margin_ = Margin.parse(margin) if margin is not None else self.margin
         cands = [dataclasses.replace(c) for c in self.candidates]
-        return Plan(rank(cands, parse_budget(budget), margin_, keep_optim=self.keep_optim), parse_budget(budget),
-                    self.global_batch, margin_, self.seconds, list(self.skipped), self.keep_optim)
+        ranked = fewest_gpus_first(rank(cands, parse_budget(budget), margin_, keep_optim=self.keep_optim))
+        return Plan(ranked, parse_budget(budget), self.global_batch, margin_, self.seconds, list(self.skipped),
+                    self.keep_optim, self.keep_note)
 
     def code(self, model: str = "model", optimizer: str = "optimizer") -> str:
         """The two lines to paste for the best candidate (or the smallest, when nothing fits)."""
@@ -240,7 +249,8 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
          optimizers: Iterable[str] | None = None, micro_batches: Iterable[int] | None = None,
          margin: Any = None, max_grad_norm: float | None = None, keep_optim: str | None = "adamw",
          progress: Callable[[int, int, str], Any] | None = None, world_size: Any = 1, strategy: Any = None,
-         step_in_backward: Iterable[bool] | None = None, chunked_loss: Iterable[Any] | None = None) -> Plan:
+         step_in_backward: Iterable[bool] | None = None, chunked_loss: Iterable[Any] | None = None,
+         _cache: dict | None = None) -> Plan:
     """Find the fastest configuration whose predicted peak (plus margin) fits in ``budget``.
 
     ``make_batch(micro_batch_size)`` returns one micro-batch (see :func:`memwrap.estimate` for the
@@ -292,13 +302,15 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
                             optimizers=optimizers, micro_batches=micro_batches, margin=margin,
                             max_grad_norm=max_grad_norm, keep_optim=keep_optim, progress=progress,
                             step_in_backward=step_in_backward, chunked_loss=chunked_loss)
+    # Traces and state floors shared by the stages of one search (same model, batch and layout).
+    cache = _cache if _cache is not None else {"traces": {}, "floors": {}}
     if optimizers is None and candidates is None and keep is not None:
         # Candidates keeping the user's optimizer rank first whenever one fits, so the other optimizers can only
         # matter when none does: search them only then (38 installed optimizers would multiply the traces).
         kept = plan(model, make_batch, budget=budget, global_batch=global_batch, loss_fn=loss_fn, precisions=precisions,
                     checkpoints=checkpoints, optimizers=(keep,), micro_batches=micro_batches, margin=margin,
                     max_grad_norm=max_grad_norm, keep_optim=keep, progress=progress, world_size=world_size,
-                    strategy=strategy, step_in_backward=step_in_backward, chunked_loss=chunked_loss)
+                    strategy=strategy, step_in_backward=step_in_backward, chunked_loss=chunked_loss, _cache=cache)
         if kept.best is not None and kept.best.fits and not kept.best.changes:
             kept.skipped.append(("(search space)", f"other optimizers not searched: a configuration keeping {keep} "
                                                    "fits (pass optimizers=... / --optimizers to compare others)"))
@@ -308,8 +320,8 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
     (ranks, strategy_), = shardings
     per_rank = global_batch // ranks  # the global batch is fixed: micro-batch x accumulate x world_size
     module = resolve_model(model)
-    from memwrap.memory.techniques import (default_precisions, expand_techniques, over_budget, prune_by_weights,
-                                           technique_values, trace_options)
+    from memwrap.memory.techniques import (default_precisions, expand_techniques, family, over_budget,
+                                           prune_by_weights, state_floor, technique_values, trace_options, traced_as)
 
     specs = _expand(per_rank, candidates, micro_batches, tuple(precisions) if precisions is not None else default_precisions(),
                     tuple(checkpoints) if checkpoints is not None else default_checkpoints(),
@@ -324,25 +336,41 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
     specs, not_planned = expand_techniques(specs, sibs, chunks, max_grad_norm=max_grad_norm, ranks=ranks)
     _validate(specs, max_grad_norm)
     specs, refused = refused_specs(specs, ranks, strategy_)  # 8-bit / Adafactor on FSDP2 shards: skipped, with why
-    specs, in_backward = _updates_in_backward_refusals(specs, per_rank, max_grad_norm)  # wrap() would refuse them
+    specs, in_backward = _updates_in_backward_refusals(specs, per_rank, max_grad_norm, ranks)  # wrap() refuses them
     refused = list(refused) + in_backward
     refused = list(refused) + not_planned  # notes (a dimension that does not apply) are not candidates left out
 
+    # One trace per group of candidates with the same memory: precisions whose plugin declares the memory of another
+    # (tf32 = fp32, fp16 = bf16) share its trace (memwrap.memory.techniques.traced_as).
     groups: dict[tuple, list[dict]] = {}
     for s in specs:
-        key = (s["micro_batch"], s["precision"], repr(s["checkpoint"]), s["step_in_backward"], repr(s["chunked_loss"]),
-               s["compensation"])
+        key = (s["micro_batch"], traced_as(s["precision"]), repr(s["checkpoint"]), s["step_in_backward"],
+               repr(s["chunked_loss"]), s["compensation"])
         groups.setdefault(key, []).append(s)
-    traces: dict[tuple, Any] = {}
+    traces: dict[tuple, Any] = cache["traces"]
     skipped: list[tuple[str, str]] = list(refused)
     groups, pruned = prune_by_weights(groups, module, budget_bytes, margin_, ranks)  # memwrap.memory.techniques
     skipped += pruned
     done, total = 0, len(groups)
     results: list[Candidate] = []
-    for key, members in groups.items():
+    # Smallest micro-batch first: the first traced group of a family gives the state floor (weights, gradients,
+    # optimizer state) that every other group of the family must exceed; over the budget, they are not traced.
+    floors: dict[tuple, dict[str, tuple[int, str]]] = cache["floors"]
+    for key, members in sorted(groups.items(), key=lambda kv: kv[0][0]):
+        fam, mb = family(key, per_rank), key[0]
+        known = floors.setdefault(fam, {})
+        over = [m for m in members if m["optim"] in known and
+                known[m["optim"]][0] + margin_.of(known[m["optim"]][0]) > budget_bytes]
+        skipped += [(f"{m['micro_batch']}x{per_rank // mb} {m['precision']} {m['checkpoint'] or 'no-ckpt'} {m['optim']}",
+                     f"not traced: the weights, gradients and optimizer state alone ({format_bytes(known[m['optim']][0])}"
+                     f", traced with {known[m['optim']][1]}; the same whatever the micro-batch and checkpoint policy) "
+                     f"+ margin exceed the budget") for m in over]
+        members = [m for m in members if m not in over]
+        if not members:
+            done += 1
+            continue
         first = members[0]
-        mb = first["micro_batch"]
-        options = {"precision": first["precision"], "accumulate": per_rank // mb}
+        options = {"precision": key[1], "accumulate": per_rank // mb}
         if first["checkpoint"] is not None:
             options["checkpoint"] = first["checkpoint"]
         if max_grad_norm is not None:
@@ -354,9 +382,11 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
         reference = fake_runnable[0] if fake_runnable else None
         batch_fn = (lambda mb_=mb: make_batch(mb_))
         if progress is not None:
-            progress(done, total, f"tracing micro-batch {mb}, {first['precision']}, {first['checkpoint'] or 'no checkpointing'}")
+            progress(done, total, f"tracing micro-batch {mb}, {key[1]}, {first['checkpoint'] or 'no checkpointing'}")
         try:
-            base = trace_config(module, batch_fn, loss_fn, options, reference, world_size=ranks, strategy=strategy_)
+            base = traces.get((key, reference))
+            if base is None:
+                base = trace_config(module, batch_fn, loss_fn, options, reference, world_size=ranks, strategy=strategy_)
         except ValueError as exc:
             if first["checkpoint"] is None:
                 raise
@@ -379,7 +409,11 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
                         tr = trace_config(module, batch_fn, loss_fn, options, m["optim"], world_size=ranks,
                                           strategy=strategy_)
                         traces[(key, m["optim"])] = tr
-                est = finish(tr, {**options, "optim": m["optim"]}, m["optim"])
+                est = finish(tr, {**options, "precision": m["precision"], "optim": m["optim"]}, m["optim"])
+                if m["precision"] != key[1]:
+                    est.method += f"; memory traced as {key[1]} (the {m['precision']} plugin's memory_like)"
+                known.setdefault(m["optim"], (state_floor(est), f"{mb}x{per_rank // mb} {m['precision']} "
+                                                                f"{m['checkpoint'] or 'no-ckpt'}"))
             except Exception as exc:  # noqa: BLE001 - one optimizer plugin's failure must not end the plan
                 skipped.append((f"{m['micro_batch']}x{options['accumulate']} {m['precision']} "
                                 f"{m['checkpoint'] or 'no-ckpt'} {m['optim']}",
@@ -393,7 +427,7 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
     if not results:
         raise ValueError(f"no candidate could be traced: {skipped[0][1] if skipped else 'empty grid'}")
     return Plan(rank(results, budget_bytes, margin_, keep_optim=keep), budget_bytes, global_batch, margin_,
-                time.perf_counter() - start, skipped, keep)
+                time.perf_counter() - start, skipped, keep, _keep_note(keep, specs, results, floors))
 
 
 def rank(candidates: list[Candidate], budget: int, margin: Margin, *, keep_optim: str | None = None) -> list[Candidate]:
@@ -414,6 +448,19 @@ def rank(candidates: list[Candidate], budget: int, margin: Margin, *, keep_optim
         if c.extra.get("compensation") == "none":  # bf16 storage without compensated updates: small steps round away
             c.changes += (f"{c.precision} updates uncompensated (compensation='none')",)
     return sorted(candidates, key=lambda c: (0, bool(c.changes), c.seconds) if c.fits else (1, c.required, c.seconds))
+
+
+def _keep_note(keep: str | None, specs: list[dict], results: list[Candidate], floors: dict) -> str:
+    """Why no candidate keeping ``keep`` is in the plan although it was searched: its state floor was over the
+    budget in every family (see :func:`memwrap.memory.techniques.state_floor`), or '' when that is not the case."""
+    if keep is None or any(c.optim == keep for c in results) or not any(s["optim"] == keep for s in specs):
+        return ""
+    low = [known[keep] for known in floors.values() if keep in known]
+    if not low:
+        return ""
+    floor, where = min(low)
+    return (f"every candidate with {keep} was left out: its weights, gradients and optimizer state alone take at least "
+            f"{format_bytes(floor)} per GPU ({where}) before activations and the margin")
 
 
 def _origin(optim: str) -> str:
@@ -439,42 +486,3 @@ def _candidate(spec: dict, options: dict, est: Estimate, margin: Margin, budget:
     return Candidate(spec["micro_batch"], options["accumulate"], spec["precision"], spec["checkpoint"],
                      spec["optim"], est, extra, est.peak + extra <= budget, sum(terms.values()), terms,
                      extra=others)
-
-
-def _checkpoint_spec(value: Any) -> Any:
-    # "none" is how the docs and the CLI name "no checkpointing"; wrap() itself only takes None/False.
-    if isinstance(value, str) and value.lower() in ("none", "no", "off"):
-        return None
-    return value
-
-
-def _updates_in_backward_refusals(specs: list[dict], per_rank: int,
-                                  max_grad_norm: float | None) -> tuple[list[dict], list[tuple[str, str]]]:
-    """Drop optimizers that update inside backward (LOMO, layer-wise GaLore) where wrap() refuses them: with
-    accumulation, clipping or fp16 loss scaling. Returned as ``(label, why)`` like the other skipped rows."""
-    from memwrap.precision import get_precision
-    from memwrap.registry import get_optimizer_spec
-
-    keep, skipped = [], []
-    for s in specs:
-        accumulate = per_rank // s["micro_batch"]
-        if get_optimizer_spec(s["optim"]).updates_in_backward and (
-                accumulate > 1 or max_grad_norm is not None or get_precision(s["precision"]).uses_scaler):
-            skipped.append((f"{s['micro_batch']} {s['precision']} {s['checkpoint'] or 'no-ckpt'} {s['optim']}",
-                            f"{s['optim']} updates inside backward: no accumulation ({accumulate}), clipping or fp16"))
-        else:
-            keep.append(s)
-    return keep, skipped
-
-
-def _validate(specs: list[dict], max_grad_norm: float | None) -> None:
-    """Reject invalid options before tracing, with wrap()'s own messages: a typo ("fulll", "fp8") must
-    fail the plan, not be reported as a policy that "cannot run on this model"."""
-    from memwrap.config import parse_options
-
-    seen = set()
-    for s in specs:
-        key = (s["precision"], repr(s["checkpoint"]))
-        if key not in seen:
-            seen.add(key)
-            parse_options(precision=s["precision"], checkpoint=s["checkpoint"], max_grad_norm=max_grad_norm)

@@ -85,3 +85,48 @@ def _expand(global_batch, candidates, micro_batches, precisions, checkpoints, op
     return [{"micro_batch": mb, "precision": p, "checkpoint": ck, "optim": o}
             for mb in _micro_batches(global_batch, micro_batches) for p in precisions for ck in checkpoints
             for o in optimizers]
+
+
+def _checkpoint_spec(value: Any) -> Any:
+    # "none" is how the docs and the CLI name "no checkpointing"; wrap() itself only takes None/False.
+    if isinstance(value, str) and value.lower() in ("none", "no", "off"):
+        return None
+    return value
+
+
+def _updates_in_backward_refusals(specs: list[dict], per_rank: int, max_grad_norm: float | None,
+                                  ranks: int = 1) -> tuple[list[dict], list[tuple[str, str]]]:
+    """Drop optimizers that update inside backward (LOMO, layer-wise GaLore) where wrap() refuses them: with
+    accumulation, clipping, fp16 loss scaling or several ranks. Returned as ``(label, why)`` like the other skipped
+    rows."""
+    from memwrap.precision import get_precision
+    from memwrap.registry import get_optimizer_spec
+
+    keep, skipped = [], []
+    for s in specs:
+        accumulate = per_rank // s["micro_batch"]
+        if not get_optimizer_spec(s["optim"]).updates_in_backward:
+            keep.append(s)
+        elif ranks > 1:
+            skipped.append((f"{s['micro_batch']} {s['precision']} {s['checkpoint'] or 'no-ckpt'} {s['optim']}",
+                            f"{s['optim']} updates inside backward, before DDP/FSDP2 average the gradients across "
+                            f"ranks: wrap() refuses it with {ranks} ranks"))
+        elif accumulate > 1 or max_grad_norm is not None or get_precision(s["precision"]).uses_scaler:
+            skipped.append((f"{s['micro_batch']} {s['precision']} {s['checkpoint'] or 'no-ckpt'} {s['optim']}",
+                            f"{s['optim']} updates inside backward: no accumulation ({accumulate}), clipping or fp16"))
+        else:
+            keep.append(s)
+    return keep, skipped
+
+
+def _validate(specs: list[dict], max_grad_norm: float | None) -> None:
+    """Reject invalid options before tracing, with wrap()'s own messages: a typo ("fulll", "fp8") must
+    fail the plan, not be reported as a policy that "cannot run on this model"."""
+    from memwrap.config import parse_options
+
+    seen = set()
+    for s in specs:
+        key = (s["precision"], repr(s["checkpoint"]))
+        if key not in seen:
+            seen.add(key)
+            parse_options(precision=s["precision"], checkpoint=s["checkpoint"], max_grad_norm=max_grad_norm)

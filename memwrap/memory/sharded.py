@@ -37,6 +37,7 @@ import copy
 import dataclasses
 import gc
 import itertools
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -134,12 +135,16 @@ def fake_process_group(world_size: int):
         raise RuntimeError("planning FSDP2 needs a process without a default process group (it joins torch's fake "
                            "one for the trace), but this process already has one. Fix: plan before "
                            "init_process_group, or from a separate process (memwrap plan --world-size N ...).")
+    # init_process_group wraps sys.excepthook to prefix "[rank0]:" and destroy_process_group does not unwrap it: a
+    # planning session that traces FSDP2 fifty times would print an uncaught error's lines with fifty prefixes.
+    hook = sys.excepthook
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
         # The mesh is created before any FakeTensorMode is entered (its init reads real tensors).
         yield init_device_mesh("cpu", (world_size,))
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def _meta_copy(model: nn.Module, stack: Stack | None, depth: int | None) -> nn.Module:
@@ -193,7 +198,9 @@ def sharding_refusal(optimizer: str, mesh) -> str | None:
     The rule is :func:`memwrap.distributed.check_sharded_optimizer` itself, applied to the optimizer
     built on a sharded 64x64 layer (so the planner and ``wrap()`` cannot disagree), then one real
     step there (a plugin optimizer that fails on DTensors is refused with its error). An optimizer
-    that cannot even be built there is not refused here: the plan traces it and reports its failure.
+    that cannot even be built there (one needing CUDA, or target modules: GaLore, APOLLO) is refused
+    too: memwrap plans under FSDP2 only the optimizers it has seen step DTensor shards (measured:
+    APOLLO, planned before this rule, fails its first FSDP2 step with "mixed torch.Tensor and DTensor").
     """
     from memwrap.distributed import check_sharded_optimizer
     from memwrap.registry import create_optimizer
@@ -204,15 +211,17 @@ def sharding_refusal(optimizer: str, mesh) -> str | None:
         warnings.simplefilter("ignore")
         try:
             built = create_optimizer(optimizer, probe.parameters(), model=probe)
-        except Exception:  # noqa: BLE001 - a plugin that cannot build here fails (and is reported) where it is traced
-            return None
+        except Exception as exc:  # noqa: BLE001 - whatever stops the probe is the reason it is not planned
+            return (f"not verified on FSDP2's DTensor parameters: building it on a sharded probe layer failed "
+                    f"({type(exc).__name__}: {str(exc)[:160]}), so memwrap could not see it step shards. Fix: under "
+                    f"FSDP2 use an elementwise torch optimizer (optim='adamw'), or train with DDP.")
         try:
             check_sharded_optimizer(built)
         except ValueError as exc:
             return str(exc)
         # An optimizer memwrap does not know (a plugin's) may still fail on DTensors: one real step says so.
-        for p in probe.parameters():
-            p.grad = torch.zeros_like(p)
+        for p in probe.parameters():  # not zeros: an update path may be skipped for a zero gradient
+            p.grad = torch.full_like(p, 1e-3)
         try:
             built.step()
         except Exception as exc:  # noqa: BLE001 - whatever the optimizer raises is the reason it is refused

@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["layouts", "plan_layouts", "layout_summary", "sharding_verdict", "sharded_code", "refused_specs"]
+__all__ = ["layouts", "plan_layouts", "layout_summary", "sharding_verdict", "sharded_code", "refused_specs",
+           "fewest_gpus_first", "sharded_advice"]
 
 
 def _as_list(value: Any) -> list:
@@ -80,12 +81,31 @@ def plan_layouts(plan_fn: Callable, shardings: list[tuple[int, str | None]], mod
         raise ValueError("no candidate could be traced under any world size and strategy.")
     first = real[0]
     cands = [c for p in real for c in p.candidates]
-    ranked = rank(cands, first.budget, first.margin, keep_optim=first.keep_optim)
-    order = {id(c): i for i, c in enumerate(ranked)}
-    ranked.sort(key=lambda c: (not c.fits, c.estimate.world_size if c.fits else 0, order[id(c)]))
+    ranked = fewest_gpus_first(rank(cands, first.budget, first.margin, keep_optim=first.keep_optim))
     skipped = [x for p in real for x in p.skipped]
     return Plan(ranked, first.budget, first.global_batch, first.margin, sum(p.seconds for p in real), skipped,
-                first.keep_optim)
+                first.keep_optim, next((p.keep_note for p in real if p.keep_note), ""))
+
+
+def fewest_gpus_first(ranked: list) -> list:
+    """``ranked`` (as :func:`memwrap.memory.planner.rank` orders it) with the fitting candidates on fewer GPUs
+    first: a layout that fits on 4 GPUs beats a faster one on 8. Stable otherwise; a no-op for one layout."""
+    order = {id(c): i for i, c in enumerate(ranked)}
+    return sorted(ranked, key=lambda c: (not c.fits, c.estimate.world_size if c.fits else 0, order[id(c)]))
+
+
+def sharded_advice(candidate: Any, category: str) -> str:
+    """What to do when ``candidate`` (the smallest of a plan where nothing fits) is dominated by ``category`` under
+    DDP or FSDP2; '' for a single-process candidate (the planner's own advice applies)."""
+    w, s = candidate.estimate.world_size, candidate.estimate.strategy
+    state = category in ("parameters", "gradients", "optimizer_state")
+    if s == "fsdp2" and state:
+        return (f"FSDP2 already shards it over {w} ranks: more ranks shrink it (see the per-GPU line below), or pick "
+                f"precision='bf16-true' or an optimizer with less state.")
+    if s == "ddp" and state:
+        return (f"DDP keeps all of it on each of the {w} ranks: FSDP2 shards it (strategy='fsdp2', --strategy "
+                f"fsdp2), or pick an optimizer with less state.")
+    return ""
 
 
 def layout_summary(plan: Any) -> list[dict[str, Any]]:

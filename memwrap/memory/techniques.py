@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["default_precisions", "technique_values", "expand_techniques", "compensation_for", "technique_tags"]
+__all__ = ["default_precisions", "technique_values", "expand_techniques", "compensation_for", "technique_tags",
+           "traced_as", "family", "state_floor"]
 
 
 def default_precisions() -> tuple[str, ...]:
@@ -247,3 +248,49 @@ def over_budget(base: Any, optim: str, module: torch.nn.Module, options: dict, b
         return None
     return dataclasses.replace(low, method=low.method + "; not traced: over the budget by its optimizer state alone "
                                                         "(a lower bound: its step's temporaries are not counted)")
+
+
+def traced_as(precision: str) -> str:
+    """The precision whose trace gives ``precision``'s memory: its plugin's ``memory_like`` when that mode is
+    registered (``tf32`` -> ``fp32``, ``fp16`` -> ``bf16``), else ``precision`` itself. The planner traces each
+    such class of modes once; speed is still ranked per mode.
+
+    Example:
+        >>> traced_as("tf32"), traced_as("fp16"), traced_as("bf16-true")
+        ('fp32', 'bf16', 'bf16-true')
+    """
+    from memwrap.precision import UnknownPrecisionError, get_precision_class
+
+    seen = []
+    cls = get_precision_class(precision)
+    while cls.memory_like is not None and cls.name not in seen:
+        seen.append(cls.name)
+        try:
+            cls = get_precision_class(cls.memory_like)
+        except UnknownPrecisionError:  # its twin is not installed: trace the mode itself
+            break
+    return cls.name
+
+
+def family(key: tuple, per_rank: int) -> tuple:
+    """The trace groups whose weights, gradients and optimizer state are the same: a group key
+    ``(micro_batch, precision, checkpoint, step_in_backward, chunked_loss, compensation)`` without the micro-batch
+    and the checkpoint policy, with whether the micro-batches accumulate (the window's gradients then live
+    between micro-batches, and FSDP2 keeps them unsharded)."""
+    micro_batch, precision, _checkpoint, *rest = key
+    return (precision, *rest, per_rank // micro_batch > 1)
+
+
+def state_floor(est: Any) -> int:
+    """Device bytes alive together at some point of every step of ``est``'s family (:func:`family`): the persistent
+    parameters, buffers and on-device optimizer state, plus the gradients where they are largest. A lower bound of the peak
+    of every other micro-batch and checkpoint policy in the family, read from a trace, not predicted.
+
+    Example:
+        >>> state_floor(plan_result.best.estimate) <= plan_result.best.estimate.peak  # doctest: +SKIP
+        True
+    """
+    s = est.state
+    # est.state counts all the optimizer state (the step reads it all); paged or host state is not on the device.
+    device_state = s["optimizer_state"] - est.paged_state - est.host_state
+    return s["parameters"] + s.get("buffers", 0) + device_state + s["gradients"]

@@ -1,0 +1,247 @@
+"""What the planner leaves untraced, and why that never changes its answer.
+
+* precisions whose plugin declares the memory of another (``memory_like``: tf32 = fp32, fp16 = bf16) share its trace:
+  the claim is checked here against two real traces of each pair;
+* a family of trace groups (same precision, techniques and accumulation) whose weights, gradients and optimizer
+  state, read from its first trace, exceed the budget is not traced further: the floor is checked to be below every
+  peak of its family, and a pruned plan picks what the unpruned one picks;
+* under DDP/FSDP2: optimizers that update inside backward are refused (they would update before the gradients are
+  averaged), optimizers memwrap cannot see step DTensor shards are not planned, and the ranking with another budget
+  still puts fewer GPUs first.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import memwrap
+from memwrap.memory.planner import plan
+from memwrap.memory.techniques import family, state_floor, traced_as
+from memwrap.models import build_preset, preset_batch, lm_loss
+from test_distributed import needs_cpu_fsdp2
+
+SEQ = 32
+
+
+def _model():
+    torch.manual_seed(0)
+    return build_preset("gpt2-tiny", n_layer=2)
+
+
+def _batch(mb: int):
+    return preset_batch("gpt2-tiny", mb, SEQ)
+
+
+def _estimate(precision: str, **kw):
+    return memwrap.estimate(_model, lambda: _batch(2), loss_fn=lm_loss, precision=precision, **kw)
+
+
+def test_traced_as_follows_the_plugins_memory_like():
+    assert (traced_as("tf32"), traced_as("fp16"), traced_as("bf16"), traced_as("fp32"), traced_as("bf16-true")) == \
+        ("fp32", "bf16", "bf16", "fp32", "bf16-true")
+    assert traced_as("16-mixed") == "bf16"  # aliases resolve first
+
+
+@pytest.mark.parametrize("mode, twin", [("tf32", "fp32"), ("fp16", "bf16")])
+@pytest.mark.parametrize("layout", [{}, pytest.param({"world_size": 2, "strategy": "fsdp2"}, marks=needs_cpu_fsdp2)])
+def test_memory_like_claims_hold_against_two_real_traces(mode, twin, layout):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tf32 warns that it changes nothing on CPU
+        a, b = _estimate(mode, **layout), _estimate(twin, **layout)
+    # fp16's GradScaler holds two scalars (scale, growth tracker) and finds inf per device: a few bytes.
+    slack = 64 if mode == "fp16" else 0
+    assert abs(a.peak - b.peak) <= slack, (a.peak, b.peak)
+    assert all(abs(a.breakdown[k] - b.breakdown[k]) <= slack for k in a.breakdown), (a.breakdown, b.breakdown)
+
+
+def test_shared_precisions_are_traced_once_and_ranked_by_their_own_speed(monkeypatch):
+    import memwrap.memory.planner as planner
+
+    calls = []
+    real = planner.trace_config
+
+    def spy(module, batch_fn, loss_fn, options, *args, **kwargs):
+        calls.append(options["precision"])
+        return real(module, batch_fn, loss_fn, options, *args, **kwargs)
+
+    monkeypatch.setattr(planner, "trace_config", spy)
+    p = plan(_model, _batch, budget="8GiB", global_batch=2, loss_fn=lm_loss, precisions=("fp32", "tf32", "bf16", "fp16"),
+             checkpoints=(None,), optimizers=("adamw",), micro_batches=(2,), step_in_backward=(False,),
+             chunked_loss=(False,))
+    assert sorted(calls) == ["bf16", "fp32"]
+    by = {c.precision: c for c in p.candidates}
+    assert by["tf32"].estimate.peak == by["fp32"].estimate.peak
+    assert by["fp16"].estimate.peak == by["bf16"].estimate.peak
+    assert "memory traced as fp32" in by["tf32"].estimate.method and "traced as" not in by["fp32"].estimate.method
+    assert by["tf32"].estimate.options["precision"] == "tf32"
+    assert by["tf32"].seconds != by["fp32"].seconds  # the cost model still tells them apart
+    assert by["fp16"].options["precision"] == "fp16"
+
+
+def _full_plan(**kw):
+    return plan(_model, _batch, budget="64GiB", global_batch=4, loss_fn=lm_loss, margin=(0, 0),
+                precisions=("fp32", "bf16-true"), checkpoints=(None, "full"), step_in_backward=(False, True),
+                chunked_loss=(False,), **kw)
+
+
+def test_state_floor_is_below_every_peak_of_its_family():
+    p = _full_plan(optimizers=("adamw", "sgd", "paged_adamw_8bit", "adafactor"), keep_optim=None)
+    per_rank = 4
+    fams: dict = {}
+    for c in p.candidates:
+        key = (c.micro_batch, c.precision, repr(c.checkpoint), bool(c.extra.get("step_in_backward")),
+               repr(c.extra.get("chunked_loss", False)), c.extra.get("compensation"))
+        fams.setdefault((family(key, per_rank), c.optim), []).append(c)
+    assert len(fams) >= 8
+    for (fam, optim), cands in fams.items():
+        assert len({state_floor(c.estimate) for c in cands}) == 1, (fam, optim)  # the same in the whole family
+        floor = state_floor(cands[0].estimate)
+        assert 0 < floor <= min(c.estimate.peak for c in cands), (fam, optim, floor)
+    paged = next(c for c in p.candidates if c.optim == "paged_adamw_8bit")
+    assert paged.estimate.paged_state > 0
+    assert state_floor(paged.estimate) < paged.estimate.state["optimizer_state"] + paged.estimate.state["parameters"]
+
+
+def test_pruned_plan_picks_what_the_unpruned_plan_picks():
+    full = _full_plan(optimizers=("adamw",))
+    for c in full.candidates:
+        assert "not traced" not in c.estimate.method
+    # Just below the largest floor (fp32 AdamW's weights, gradients and two moments): fp32 families are pruned after
+    # their first trace, while bf16-true candidates (floor and peak far lower) still fit.
+    budget = max(state_floor(c.estimate) for c in full.candidates) - 1
+    pruned = plan(_model, _batch, budget=budget, global_batch=4, loss_fn=lm_loss, margin=(0, 0),
+                  precisions=("fp32", "bf16-true"), checkpoints=(None, "full"), step_in_backward=(False, True),
+                  chunked_loss=(False,), optimizers=("adamw",))
+    reference = full.with_budget(budget, margin=(0, 0))
+    assert any("not traced: the weights, gradients and optimizer state alone" in why for _, why in pruned.skipped)
+    assert len(pruned.candidates) < len(full.candidates)
+    assert pruned.best is not None and reference.best is not None
+    assert pruned.best.label == reference.best.label and pruned.best.estimate.peak == reference.best.estimate.peak
+    assert sum(c.fits for c in pruned.candidates) == sum(c.fits for c in reference.candidates)
+
+
+def test_keep_optim_left_out_by_its_floor_is_said_so():
+    # 36 MB: AdamW's weights, gradients and two fp32 moments (43 MB) cannot fit, SGD (no state, 30 MB) can. The staged
+    # search traces AdamW first; the second stage knows its floor and traces only the others.
+    p = plan(_model, _batch, budget=36_000_000, global_batch=2, loss_fn=lm_loss, margin=(0, 0), precisions=("fp32",),
+             checkpoints=(None,), micro_batches=(2,), step_in_backward=(False,), chunked_loss=(False,),
+             keep_optim="adamw")
+    assert p.best is not None and p.best.changes and not any(c.optim == "adamw" for c in p.candidates)
+    assert "every candidate with adamw was left out: its weights, gradients and optimizer state alone" in p.verdict
+    assert "was not among the optimizers searched" not in p.verdict
+
+
+def test_fake_process_group_restores_the_excepthook():
+    from memwrap.memory.sharded import fake_process_group
+
+    before = sys.excepthook
+    for _ in range(3):
+        with fake_process_group(2):
+            pass
+    assert sys.excepthook is before
+
+
+# --- data parallel: what wrap() refuses, the planner does not plan ---------------------------------
+
+@needs_cpu_fsdp2
+def test_wrap_refuses_updates_in_backward_under_fsdp2_and_changes_nothing():
+    pytest.importorskip("lomo_optim")
+    from memwrap.memory.sharded import _shard, fake_process_group
+
+    with fake_process_group(2) as mesh:
+        net = _shard(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1)), None, mesh)
+        hooks = [dict(p._backward_hooks or {}) for p in net.parameters()]
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        with pytest.raises(ValueError, match=r"updates each parameter inside backward.*DDP/FSDP2.*averages"):
+            memwrap.wrap(net, opt, optim="lomo")
+        assert [dict(p._backward_hooks or {}) for p in net.parameters()] == hooks
+        assert not isinstance(net, memwrap.WrappedModule) if hasattr(memwrap, "WrappedModule") else True
+
+
+def test_wrap_refuses_updates_in_backward_under_ddp(tmp_path):
+    pytest.importorskip("lomo_optim")
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
+    try:
+        net = nn.parallel.DistributedDataParallel(nn.Linear(4, 1))
+        with pytest.raises(ValueError, match=r"each rank would update with its own gradient"):
+            memwrap.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), optim="lomo")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("strategy", [pytest.param("fsdp2", marks=needs_cpu_fsdp2), "ddp"])
+def test_plan_does_not_plan_updates_in_backward_with_several_ranks(strategy):
+    pytest.importorskip("lomo_optim")
+    p = plan(_model, _batch, budget="8GiB", global_batch=4, loss_fn=lm_loss, precisions=("bf16-true",),
+             checkpoints=(None,), optimizers=("adamw", "lomo"), micro_batches=(2,), world_size=2, strategy=strategy)
+    assert {c.optim for c in p.candidates} == {"adamw"}
+    assert any("lomo updates inside backward, before DDP/FSDP2 average the gradients" in why for _, why in p.skipped)
+
+
+@needs_cpu_fsdp2
+def test_optimizer_that_cannot_be_probed_on_shards_is_not_planned_on_fsdp2():
+    pytest.importorskip("apollo_torch")
+    from memwrap.memory.sharded import fsdp2_refusals
+
+    why = fsdp2_refusals(["apollo_adamw", "adamw", "sgd"], 2)
+    assert set(why) == {"apollo_adamw"}
+    assert "not verified on FSDP2's DTensor parameters" in why["apollo_adamw"] and "Fix:" in why["apollo_adamw"]
+
+
+class _Wide(nn.Module):
+    """Weights far larger than its activations at a micro-batch of 2: its peak is dominated by state."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(512, 512) for _ in range(16))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x.sum(-1)
+
+
+@needs_cpu_fsdp2
+def test_with_budget_keeps_fewest_gpus_first_and_fsdp2_advice_is_not_shard_it():
+    p = plan(_Wide, lambda mb: (torch.randn(mb, 512), torch.randn(mb)), budget="64GiB", global_batch=8,
+             precisions=("fp32",), checkpoints=(None,), optimizers=("adamw",), micro_batches=(2,), world_size=[2, 4],
+             strategy="fsdp2")
+    assert p.best.estimate.world_size == 2
+    fast = min(p.candidates, key=lambda c: c.seconds)
+    assert fast.estimate.world_size == 4  # so the order below is not the speed order
+    again = p.with_budget("32GiB")
+    assert again.best.estimate.world_size == 2
+    assert p.with_budget("1MiB").best is None
+
+
+def test_nothing_fits_advice_knows_the_layout():
+    from types import SimpleNamespace
+
+    from memwrap.memory.sharded_plan import sharded_advice
+
+    def cand(w, s):
+        return SimpleNamespace(estimate=SimpleNamespace(world_size=w, strategy=s))
+
+    assert sharded_advice(cand(4, "fsdp2"), "optimizer_state").startswith("FSDP2 already shards it over 4 ranks")
+    assert "FSDP2 shards it (strategy='fsdp2'" in sharded_advice(cand(2, "ddp"), "parameters")
+    assert sharded_advice(cand(1, None), "parameters") == "" and sharded_advice(cand(4, "fsdp2"), "activations") == ""
+
+
+def test_a_policy_that_cannot_apply_is_skipped_with_its_reason_when_the_budget_leaves_room():
+    # The floor does not prune here (1 GiB), so the full-checkpointing group is traced and wrap() says why it cannot.
+    p = plan(lambda: nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)), lambda mb: torch.randn(mb, 16),
+             budget="1GiB", margin=(0, 0), global_batch=8, precisions=("fp32",), checkpoints=(None, "full"),
+             optimizers=("adamw",),
+             micro_batches=(8,))
+    assert {c.checkpoint for c in p.candidates} == {None}
+    assert p.skipped and all(label.startswith("8x1 fp32 full adamw") and "no repeated blocks" in why
+                             for label, why in p.skipped)
