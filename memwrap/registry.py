@@ -25,11 +25,14 @@ from torch import nn
 from memwrap.errors import closest_hint, require_name
 from memwrap.plugin_calls import FieldRule, call_hook, guard_fields
 from memwrap.plugins import PluginContractError, PluginError, get_plugin_manager, plugin_errors
+# Sizes of optimizer state (predicted from a spec, measured on an optimizer) live in memwrap.state_size and stay
+# importable from here.
+from memwrap.state_size import measure_state_bytes, predict_state_bytes, scalar_step_bytes
 
 __all__ = [
     "OptimizerSpec", "OptimizerRow", "OptimizerUnavailableError", "OptimizerConflictError",
     "UnknownOptimizerError", "ConversionWarning", "get_optimizer_spec", "create_optimizer",
-    "optimizers", "convert_optimizer", "predict_state_bytes", "measure_state_bytes", "spec_plugin",
+    "optimizers", "convert_optimizer", "predict_state_bytes", "measure_state_bytes", "scalar_step_bytes", "spec_plugin",
 ]
 
 # Where an optimizer's state can live (OptimizerSpec.state_location), for the planner's memory categories.
@@ -408,71 +411,6 @@ def convert_optimizer(optimizer: torch.optim.Optimizer, name: str, *, model: nn.
     return new_optimizer
 
 
-def _param_modules(model_or_params) -> list[tuple[torch.Tensor, nn.Module | None]]:
-    if isinstance(model_or_params, nn.Module):
-        owners: dict[int, tuple[torch.Tensor, nn.Module]] = {}
-        for module in model_or_params.modules():
-            for p in module.parameters(recurse=False):
-                owners.setdefault(id(p), (p, module))
-        return list(owners.values())
-    seen, pairs = set(), []
-    for item in model_or_params:
-        tensors = item["params"] if isinstance(item, Mapping) else [item]
-        for p in [tensors] if isinstance(tensors, torch.Tensor) else tensors:
-            if id(p) not in seen:
-                seen.add(id(p))
-                pairs.append((p, None))
-    return pairs
-
-
-def predict_state_bytes(name: str, model_or_params, **hyperparameters) -> int:
-    """Bytes of optimizer state after the first step, without running it (meta/fake tensors work).
-
-    Example:
-        >>> predict_state_bytes("adamw", torch.nn.Linear(1000, 1000, bias=False))
-        8000004
-    """
-    spec = get_optimizer_spec(name)
-    pairs = [(p, m) for p, m in _param_modules(model_or_params) if p.requires_grad]
-    hp = {**spec.defaults, **hyperparameters}
-    total = sum(int(spec.state_bytes(p, module=m, **hp)) for p, m in pairs)
-    if spec.shared_state_bytes is not None:
-        total += int(spec.shared_state_bytes(pairs, **hp))
-    return total
-
-
-def measure_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes held by the optimizer's state tensors, each storage counted once.
-
-    Example:
-        >>> measure_state_bytes(torch.optim.SGD(torch.nn.Linear(2, 2).parameters()))
-        0
-    """
-    seen, total = set(), 0
-
-    def visit(value):
-        nonlocal total
-        if isinstance(value, torch.Tensor) and type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
-            for inner in value.__tensor_flatten__()[0]:  # a wrapper subclass (torchao's 4/8-bit state): its parts
-                visit(getattr(value, inner))
-        elif isinstance(value, torch.Tensor):
-            storage = value.untyped_storage()
-            key = (value.device, storage.data_ptr(), storage.nbytes())
-            if key not in seen:
-                seen.add(key)
-                total += storage.nbytes()
-        elif isinstance(value, Mapping):
-            for v in value.values():
-                visit(v)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                visit(v)
-
-    for state in optimizer.state.values():
-        visit(state)
-    return total
-
-
 def optimizers() -> list[OptimizerRow]:
     """List the registered optimizers: availability, install hint, state bytes per fp32 parameter.
 
@@ -500,9 +438,3 @@ def optimizers() -> list[OptimizerRow]:
             ok, hint, per_param = False, str(exc), math.nan
         rows.append(OptimizerRow(spec.name, spec.aliases, ok, per_param, "" if ok else hint, origin, spec.fused, spec.paged))
     return sorted(rows, key=lambda r: r.name)
-
-
-def scalar_step_bytes(fused: bool = False) -> int:
-    """Bytes of torch's per-parameter ``step`` tensor (float32, or float64 under a float64 default dtype)."""
-    return 4 if fused or torch.get_default_dtype() != torch.float64 else 8
-

@@ -245,3 +245,18 @@ def test_a_policy_that_cannot_apply_is_skipped_with_its_reason_when_the_budget_l
     assert {c.checkpoint for c in p.candidates} == {None}
     assert p.skipped and all(label.startswith("8x1 fp32 full adamw") and "no repeated blocks" in why
                              for label, why in p.skipped)
+
+
+@needs_cpu_fsdp2
+def test_state_floor_is_below_every_peak_under_fsdp2():
+    p = plan(_model, _batch, budget="64GiB", global_batch=8, loss_fn=lm_loss, margin=(0, 0),
+             precisions=("fp32", "bf16-true"), checkpoints=(None, "full"), optimizers=("adamw", "sgd"),
+             keep_optim=None, world_size=2, strategy="fsdp2")
+    fams: dict = {}
+    for c in p.candidates:
+        key = (c.micro_batch, c.precision, repr(c.checkpoint), False, repr(False), c.extra.get("compensation"))
+        fams.setdefault((family(key, 4), c.optim), []).append(c)
+    assert len(fams) >= 4 and all(c.estimate.strategy == "fsdp2" for c in p.candidates)
+    for (fam, optim), cands in fams.items():
+        assert len({state_floor(c.estimate) for c in cands}) == 1, (fam, optim)
+        assert 0 < state_floor(cands[0].estimate) <= min(c.estimate.peak for c in cands), (fam, optim)
