@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 from typing import Any
 
 import torch
 from torch import nn
 
 from memwrap.errors import closest_hint
+from memwrap.name_index import PluginCache, conflict_message, index_names
 
 __all__ = [
     "Precision", "AutocastPrecision", "PrecisionRow", "PrecisionConflictError", "UnknownPrecisionError",
@@ -197,22 +197,8 @@ class _Registry:
     entries: list[tuple[type[Precision], str]]
 
 
-_cache: tuple[object, _Registry] | None = None
-_cache_lock = threading.Lock()
-
-
 def _registry() -> _Registry:
-    global _cache
-    from memwrap.plugins import get_plugin_manager
-
-    pm = get_plugin_manager()
-    # The plugin objects themselves, compared by identity: holding them keeps their ids from being reused by a
-    # plugin registered later (an id-only key can mistake a new plugin for an unregistered one).
-    key = (pm, *(plugin for _, plugin in sorted(pm.list_name_plugin(), key=lambda item: item[0])))
-    with _cache_lock:
-        if _cache is None or len(_cache[0]) != len(key) or any(a is not b for a, b in zip(_cache[0], key)):
-            _cache = (key, _collect(pm))
-        return _cache[1]
+    return _CACHE.get()
 
 
 def _validate_result(result: Any) -> list[type[Precision]]:
@@ -232,24 +218,18 @@ def _validate_result(result: Any) -> list[type[Precision]]:
     return classes
 
 
-def _collect(pm) -> _Registry:
+def _collect() -> _Registry:
     from memwrap.plugin_calls import call_hook
 
     # Each implementation is called on its own (memwrap.plugin_calls), so one failing plugin does not hide the others.
     entries = [(cls, r.origin) for r in call_hook("memwrap_precisions", validate=_validate_result,
                                                   consequence="Its precisions are unavailable.")
                for cls in r.result]
-    by_name: dict[str, tuple[type[Precision], str]] = {}
-    conflicts: dict[str, list[tuple[type[Precision], str]]] = {}
-    for entry in entries:
-        for n in dict.fromkeys([entry[0].name, *(normalize_precision_name(a) for a in entry[0].aliases)]):
-            if n in conflicts:
-                conflicts[n].append(entry)
-            elif n in by_name:
-                conflicts[n] = [by_name.pop(n), entry]
-            else:
-                by_name[n] = entry
+    by_name, conflicts = index_names(entries, lambda cls: [cls.name, *(normalize_precision_name(a) for a in cls.aliases)])
     return _Registry(by_name, conflicts, entries)
+
+
+_CACHE = PluginCache(_collect)  # rebuilt when the set of registered plugins changes
 
 
 def precision_names() -> list[str]:
@@ -279,10 +259,8 @@ def get_precision_class(name: Any) -> type[Precision]:
             f"Valid: {_listing(reg)}.")
     key = normalize_precision_name(name)
     if key in reg.conflicts:
-        claims = "; ".join(f"{origin} ({cls.__name__})" for cls, origin in reg.conflicts[key])
-        raise PrecisionConflictError(
-            f"precision name {name!r} is claimed by more than one plugin: {claims}. Uninstall one of them, or "
-            "block one with MEMWRAP_BLOCK_PLUGINS=<plugin name>.")
+        raise PrecisionConflictError(conflict_message(
+            "precision", name, (f"{origin} ({cls.__name__})" for cls, origin in reg.conflicts[key])))
     if key not in reg.by_name:
         raise UnknownPrecisionError(f"unknown precision {name!r}.{closest_hint(key, reg.by_name)} Valid: {_listing(reg)}.")
     return reg.by_name[key][0]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-import threading
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -23,8 +22,9 @@ import torch
 from torch import nn
 
 from memwrap.errors import closest_hint, require_name
+from memwrap.name_index import PluginCache, conflict_message, index_names
 from memwrap.plugin_calls import FieldRule, call_hook, guard_fields
-from memwrap.plugins import PluginContractError, PluginError, get_plugin_manager, plugin_errors
+from memwrap.plugins import PluginContractError, PluginError, plugin_errors
 # Sizes of optimizer state (predicted from a spec, measured on an optimizer) live in memwrap.state_size and stay
 # importable from here.
 from memwrap.state_size import measure_state_bytes, predict_state_bytes, scalar_step_bytes
@@ -208,18 +208,8 @@ class _Registry:
     plugins: dict[int, str] = field(default_factory=dict)  # id(spec) -> name of the plugin that provides it
 
 
-_cache: tuple[object, _Registry] | None = None
-_cache_lock = threading.Lock()
-
-
 def _registry() -> _Registry:
-    global _cache
-    pm = get_plugin_manager()
-    key = (id(pm), tuple(sorted((name, id(p)) for name, p in pm.list_name_plugin())))
-    with _cache_lock:
-        if _cache is None or _cache[0] != key:
-            _cache = (key, _collect())
-        return _cache[1]
+    return _CACHE.get()
 
 
 def _specs_only(result) -> list[OptimizerSpec]:
@@ -277,17 +267,11 @@ def _collect() -> _Registry:
             guarded = guard_fields(spec, res.plugin, spec.name, _FIELD_RULES)
             plugins[id(guarded)] = res.plugin
             entries.append((guarded, res.origin))
-    by_name: dict[str, tuple[OptimizerSpec, str]] = {}
-    conflicts: dict[str, list[tuple[OptimizerSpec, str]]] = {}
-    for entry in entries:
-        for n in dict.fromkeys(entry[0].names):
-            if n in conflicts:
-                conflicts[n].append(entry)
-            elif n in by_name:
-                conflicts[n] = [by_name.pop(n), entry]
-            else:
-                by_name[n] = entry
+    by_name, conflicts = index_names(entries, lambda spec: spec.names)
     return _Registry(by_name, conflicts, entries, plugins)
+
+
+_CACHE = PluginCache(_collect)  # rebuilt when the set of registered plugins changes
 
 
 def spec_plugin(spec: OptimizerSpec | str) -> str | None:
@@ -312,10 +296,8 @@ def get_optimizer_spec(name: str) -> OptimizerSpec:
     reg = _registry()
     key = _normalize(name)
     if key in reg.conflicts:
-        claims = "; ".join(f"{origin} (optimizer {spec.name!r})" for spec, origin in reg.conflicts[key])
-        raise OptimizerConflictError(
-            f"optimizer name {name!r} is claimed by more than one plugin: {claims}. Uninstall one of them, or block "
-            "one with MEMWRAP_BLOCK_PLUGINS=<plugin name>.")
+        raise OptimizerConflictError(conflict_message(
+            "optimizer", name, (f"{origin} (optimizer {spec.name!r})" for spec, origin in reg.conflicts[key])))
     if key not in reg.by_name:
         listing = ", ".join(sorted(spec.name + (f" ({', '.join(spec.aliases)})" if spec.aliases else "")
                                    for spec, _ in {id(e[0]): e for e in reg.by_name.values()}.values()))
