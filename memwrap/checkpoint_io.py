@@ -40,6 +40,7 @@ def save_checkpoint(path: str | os.PathLike, *, model: Any = None, optimizer: An
     if loader is not None and not isinstance(loader, WrappedLoader):
         raise TypeError(f"loader= must be the loader memwrap.wrap() returned (got {type(loader).__name__}): only it "
                         "knows the epoch position. Fix: memwrap.wrap(model, optimizer, loader, ...).")
+    _check_not_mid_budget_window(optimizer, loader)
     state: dict[str, Any] = {"memwrap_checkpoint": _FORMAT, "extra": extra, "rng": capture_rng(cuda=True)}
     for name, obj in zip(_PARTS, (model, optimizer, scheduler, loader)):
         state[name] = None if obj is None else obj.state_dict()
@@ -56,6 +57,20 @@ def save_checkpoint(path: str | os.PathLike, *, model: Any = None, optimizer: An
         raise
     _fsync_dir(path.parent)  # and the rename itself survives a power loss
     return path
+
+
+def _check_not_mid_budget_window(optimizer: Any, loader: Any) -> None:
+    """Under budget= a window is one loader batch cut into micro-batches; the loader's position counts whole
+    batches, so a resume cannot start halfway through one (measured: the resumed loader re-planned the window while
+    the restored optimizer was inside it, and stopped with "plan_window called in the middle of a window").
+    Refuse such a save before anything is written."""
+    gate = getattr(optimizer, "gate", None) or getattr(loader, "gate", None)
+    if gate is not None and gate.varies and gate.micro_step:
+        raise ValueError(
+            f"save_checkpoint in the middle of a budget= window (after micro-batch {gate.micro_step} of "
+            f"{gate.accumulate}): under budget= each of your batches is one window cut by the plan, and a resume "
+            "cannot re-enter it halfway. Nothing was written. Fix: save between updates, e.g. "
+            "`if optimizer.did_update: memwrap.save_checkpoint(...)` (or when loader.sync_gradients is True).")
 
 
 def load_checkpoint(path: str | os.PathLike, *, model: Any = None, optimizer: Any = None, scheduler: Any = None,

@@ -57,6 +57,11 @@ def check_optimizer_state(wrapped: Any, state: Any) -> None:
         probe.load_state_dict(state["gate"])
     except (KeyError, TypeError) as err:
         _refuse(f"its 'gate' entry is malformed ({err!r})")
+    if wrapped.gate.varies and state["gate"].get("micro_step"):
+        _refuse(f"it was saved in the middle of a budget= window (after micro-batch {state['gate']['micro_step']} of "
+                f"{state['gate']['accumulate']}), and under budget= a window is one of your batches cut by the plan, "
+                "which the loader cannot re-enter halfway. Fix: save between updates (when optimizer.did_update or "
+                "loader.sync_gradients is True); memwrap.save_checkpoint refuses the other moments")
     saved_class, this_class = state.get("optimizer_class"), class_name(wrapped.optimizer)
     if saved_class is not None and saved_class != this_class:
         _refuse(

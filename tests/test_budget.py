@@ -510,6 +510,35 @@ def test_save_and_resume_between_updates_continues_exactly(tmp_path):
     assert_same_params(model2, reference(Net(), batches, loss, lr=1e-2), atol=1e-6)
 
 
+def test_saving_inside_a_budget_window_is_refused_and_writes_nothing(tmp_path):
+    # Measured before the refusal: the save went through, and the resumed loader stopped with "plan_window called in
+    # the middle of a window" (its position counts whole batches, and the restored optimizer was inside one).
+    batches = [_xy(10, s) for s in range(2)]
+    budget = int(memwrap.estimate(Net(), batches[0], loss_fn=lambda o, t: (o - t).pow(2).mean()).peak * 0.85)
+    model = Net()
+    wmodel, opt, loader = memwrap.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), batches,
+                                       budget=f"{budget}B", checkpoint=None)
+    opt.budget_plan.log = None
+    path = tmp_path / "ckpt.pt"
+    for micro in loader:
+        (wmodel(micro[0]) - micro[1]).pow(2).mean().backward()
+        opt.step()
+        assert opt.budget_plan.current.accumulate > 1
+        with pytest.raises(ValueError, match=r"middle of a budget= window \(after micro-batch 1 of .*Nothing was written"):
+            memwrap.save_checkpoint(path, model=wmodel, optimizer=opt, loader=loader)
+        assert not path.exists() and not list(tmp_path.iterdir())
+        # A state_dict saved by hand at that moment is refused when loaded, before anything changes.
+        mid = opt.state_dict()
+        break
+    model2 = Net()
+    _, opt2, _ = memwrap.wrap(model2, torch.optim.AdamW(model2.parameters(), lr=1e-2), batches, budget=f"{budget}B",
+                              checkpoint=None)
+    before = opt2.state_dict()
+    with pytest.raises(ValueError, match="middle of a budget= window.*save between updates"):
+        opt2.load_state_dict(mid)
+    assert opt2.state_dict()["gate"] == before["gate"]
+
+
 def test_cuts_are_even_and_reassemble_the_batch():
     from hypothesis import given, settings
     from hypothesis import strategies as st
