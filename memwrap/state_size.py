@@ -35,17 +35,30 @@ def _param_modules(model_or_params) -> list[tuple[torch.Tensor, nn.Module | None
     return pairs
 
 
-def predict_state_bytes(name: str, model_or_params, **hyperparameters) -> int:
+def _shard(p: torch.Tensor, world_size: int) -> torch.Tensor:
+    """A meta tensor shaped like rank 0's FSDP2 shard of ``p`` (dim 0 split over ``world_size``, rounded up)."""
+    if world_size <= 1 or p.dim() == 0:
+        return p
+    rows = -(-p.shape[0] // world_size)
+    return torch.empty((rows, *p.shape[1:]), dtype=p.dtype, device="meta")
+
+
+def predict_state_bytes(name: str, model_or_params, *, world_size: int = 1, **hyperparameters) -> int:
     """Bytes of optimizer state after the first step, without running it (meta/fake tensors work).
+
+    ``world_size > 1``: the state of one FSDP2 rank, whose optimizer holds each parameter's dim-0 shard
+    (``ceil(rows / world_size)`` rows; the parameter's module is still passed to the plugin).
 
     Example:
         >>> predict_state_bytes("adamw", torch.nn.Linear(1000, 1000, bias=False))
         8000004
+        >>> predict_state_bytes("adamw", torch.nn.Linear(1000, 1000, bias=False), world_size=4)
+        2000004
     """
     from memwrap.registry import get_optimizer_spec  # the registry imports this module
 
     spec = get_optimizer_spec(name)
-    pairs = [(p, m) for p, m in _param_modules(model_or_params) if p.requires_grad]
+    pairs = [(_shard(p, world_size), m) for p, m in _param_modules(model_or_params) if p.requires_grad]
     hp = {**spec.defaults, **hyperparameters}
     total = sum(int(spec.state_bytes(p, module=m, **hp)) for p, m in pairs)
     if spec.shared_state_bytes is not None:

@@ -231,7 +231,8 @@ def derive(trace: Trace, optimizer: str, model: nn.Module, *, force: bool = Fals
     spec = get_optimizer_spec(optimizer)
     if spec.runs_on_fake and not force:
         return None
-    new_state = predict_state_bytes(optimizer, model)
+    # An FSDP2 rank's optimizer holds its shards only (the traced state is the rank's too).
+    new_state = predict_state_bytes(optimizer, model, world_size=trace.world_size if trace.strategy == "fsdp2" else 1)
     delta = new_state - trace.state["optimizer_state"]
     segments = {}
     for key, seg in trace.segments.items():

@@ -97,13 +97,32 @@ def plan_table(plan: Any, limit: int | None = None) -> str:
     return "\n".join(lines)
 
 
-def _skipped_lines(plan: Any) -> list[str]:
+def _skipped_lines(plan: Any, shown: int = 6, width: int = 200) -> list[str]:
+    """One line per kind of reason, most frequent first, with how many candidates it left out.
+
+    Candidates that cannot run on this model, those left out by a bound (weights, or weights, gradients and state,
+    over the budget), optimizers refused under a layout, and notes on the search space (memwrap.memory.techniques).
+    Reasons that differ only in numbers or in parentheses (sizes, optimizer names) are one kind; the first one of
+    each kind is shown, cut at ``width`` characters.
+    """
     if not plan.skipped:
         return []
-    reasons = sorted({why.split(". ")[0] for _, why in plan.skipped})
-    # Candidates that cannot run on this model, those left out by a bound (weights alone over the budget) and notes
-    # on the search space (memwrap.memory.techniques).
-    return [f"skipped {len(plan.skipped)} candidate(s) (not traced): " + "; ".join(reasons)]
+    import re
+
+    kinds: dict[str, list[str]] = {}
+    for _, why in plan.skipped:
+        first = re.split(r"\.\s+(?=[A-Z])", why)[0]  # the first sentence ("optimizers=... / --optimizers" stays)
+        key = re.sub(r"\([^()]*\)|\b\w*\d[\w.]*", "#", first)  # sizes, counts, names such as Lion32bit
+        kinds.setdefault(key, []).append(first)
+    ranked = sorted(kinds.values(), key=len, reverse=True)
+    lines = [f"skipped {len(plan.skipped)} candidate(s) (not traced):"]
+    for reasons in ranked[:shown]:
+        text = reasons[0] if len(reasons[0]) <= width else reasons[0][:width - 3] + "..."
+        others = len(set(reasons)) - 1
+        lines.append(f"  {len(reasons):>5}  {text}" + (f"  [and {others} more like it]" if others else ""))
+    if len(ranked) > shown:
+        lines.append(f"  ... {len(ranked) - shown} more kind(s) of reason; --json lists every skipped candidate")
+    return lines
 
 
 def print_plan(plan: Any, console: Any = None, limit: int | None = None) -> None:

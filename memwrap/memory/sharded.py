@@ -196,7 +196,7 @@ def sharding_refusal(optimizer: str, mesh) -> str | None:
     """Why memwrap refuses optimizer ``optimizer`` (a registry name) on FSDP2 shards, or None.
 
     The rule is :func:`memwrap.distributed.check_sharded_optimizer` itself, applied to the optimizer
-    built on a sharded 64x64 layer (so the planner and ``wrap()`` cannot disagree), then one real
+    built on a sharded 256x256 layer (so the planner and ``wrap()`` cannot disagree), then one real
     step there (a plugin optimizer that fails on DTensors is refused with its error). An optimizer
     that cannot even be built there (one needing CUDA, or target modules: GaLore, APOLLO) is refused
     too: memwrap plans under FSDP2 only the optimizers it has seen step DTensor shards (measured:
@@ -205,16 +205,30 @@ def sharding_refusal(optimizer: str, mesh) -> str | None:
     from memwrap.distributed import check_sharded_optimizer
     from memwrap.registry import create_optimizer
 
-    # A real 64x64 layer (16 KiB): optimizer constructors and steps may read values, which fake tensors cannot.
-    probe = _shard(nn.Linear(64, 64), None, mesh)
+    # A real layer (256 KiB): optimizer constructors and steps may read values, which fake tensors cannot. 256 wide,
+    # so block-wise quantizers quantize its shards (torchao keeps a 64x64 layer in fp32), and a named child, so
+    # optimizers with target modules project it (APOLLO passed as the root, where "all-linear" matched nothing, and
+    # fails on FSDP2 shards). Not wider: on the fake process group torchao's 8-bit AdamW fails a 512-wide layer that
+    # it steps on real gloo ranks (tests/test_plan_pruning.py runs both).
+    probe = _shard(nn.Sequential(nn.Linear(256, 256)), None, mesh)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        try:
-            built = create_optimizer(optimizer, probe.parameters(), model=probe)
-        except Exception as exc:  # noqa: BLE001 - whatever stops the probe is the reason it is not planned
+        built, error = None, None
+        # What users pass anyway: a learning rate (torch-optimi's optimizers have no default; GaLore's Adafactor steps
+        # with lr=None otherwise) and, for GaLore/APOLLO, target modules (Trainer's optim_target_modules). Without a
+        # learning rate last: transformers' Adafactor refuses one with its default relative step.
+        for extra in ({"lr": 1e-3}, {"lr": 1e-3, "target_modules": "all-linear"}, {}, {"target_modules": "all-linear"}):
+            try:
+                built = create_optimizer(optimizer, probe.parameters(), model=probe, **extra)
+                break
+            except Exception as exc:  # noqa: BLE001 - whatever stops the probe is the reason it is not planned
+                error = exc if error is None or "lr" not in extra or "target_modules" in extra else error
+        if built is None:
             return (f"not verified on FSDP2's DTensor parameters: building it on a sharded probe layer failed "
-                    f"({type(exc).__name__}: {str(exc)[:160]}), so memwrap could not see it step shards. Fix: under "
-                    f"FSDP2 use an elementwise torch optimizer (optim='adamw'), or train with DDP.")
+                    f"({type(error).__name__}: {str(error)[:160]}), so memwrap could not see it step shards. Fix: "
+                    f"under FSDP2 use an elementwise torch optimizer (optim='adamw'), or train with DDP.")
+        if callable(getattr(built, "train", None)):
+            built.train()  # schedule-free optimizers step only in train mode, which training sets
         try:
             check_sharded_optimizer(built)
         except ValueError as exc:
@@ -232,9 +246,13 @@ def sharding_refusal(optimizer: str, mesh) -> str | None:
 
 
 def fsdp2_refusals(optimizers: list[str], world_size: int) -> dict[str, str]:
-    """``{name: why}`` for the optimizers memwrap refuses on FSDP2 shards (see :func:`sharding_refusal`)."""
+    """``{name: why}`` for the optimizers memwrap refuses on FSDP2 shards (see :func:`sharding_refusal`).
+
+    The probe always runs on 2 fake ranks: whether an optimizer steps DTensor shards does not depend on how many there
+    are, and on the fake process group torchao's 8-bit AdamW failed the probe layer's 8-rank shards (32 rows) while
+    it steps real shards (tests/test_plan_pruning.py compares the probe with 2 real gloo ranks)."""
     out = {}
-    with fake_process_group(world_size) as mesh:
+    with fake_process_group(min(int(world_size), 2)) as mesh:
         for name in dict.fromkeys(optimizers):
             why = sharding_refusal(name, mesh)
             if why is not None:
