@@ -35,19 +35,25 @@ def _param_modules(model_or_params) -> list[tuple[torch.Tensor, nn.Module | None
     return pairs
 
 
-def _shard(p: torch.Tensor, world_size: int) -> torch.Tensor:
-    """A meta tensor shaped like rank 0's FSDP2 shard of ``p`` (dim 0 split over ``world_size``, rounded up)."""
-    if world_size <= 1 or p.dim() == 0:
+def _as_held(p: torch.Tensor, world_size: int, dtype: torch.dtype | None) -> torch.Tensor:
+    """``p`` as the optimizer holds it: rank 0's FSDP2 shard (dim 0 split over ``world_size``, rounded up) and, for a
+    floating parameter, stored in ``dtype`` (a precision's storage dtype); a meta tensor when either changes it."""
+    shape = p.shape
+    if world_size > 1 and p.dim() > 0:
+        shape = (-(-p.shape[0] // world_size), *p.shape[1:])
+    held = dtype if dtype is not None and p.is_floating_point() else p.dtype
+    if shape == p.shape and held == p.dtype:
         return p
-    rows = -(-p.shape[0] // world_size)
-    return torch.empty((rows, *p.shape[1:]), dtype=p.dtype, device="meta")
+    return torch.empty(shape, dtype=held, device="meta")
 
 
-def predict_state_bytes(name: str, model_or_params, *, world_size: int = 1, **hyperparameters) -> int:
+def predict_state_bytes(name: str, model_or_params, *, world_size: int = 1, dtype: torch.dtype | None = None,
+                        **hyperparameters) -> int:
     """Bytes of optimizer state after the first step, without running it (meta/fake tensors work).
 
     ``world_size > 1``: the state of one FSDP2 rank, whose optimizer holds each parameter's dim-0 shard
-    (``ceil(rows / world_size)`` rows; the parameter's module is still passed to the plugin).
+    (``ceil(rows / world_size)`` rows; the parameter's module is still passed to the plugin). ``dtype``: the
+    floating parameters as a precision stores them (``precision="bf16-true"``: ``torch.bfloat16``).
 
     Example:
         >>> predict_state_bytes("adamw", torch.nn.Linear(1000, 1000, bias=False))
@@ -58,7 +64,7 @@ def predict_state_bytes(name: str, model_or_params, *, world_size: int = 1, **hy
     from memwrap.registry import get_optimizer_spec  # the registry imports this module
 
     spec = get_optimizer_spec(name)
-    pairs = [(_shard(p, world_size), m) for p, m in _param_modules(model_or_params) if p.requires_grad]
+    pairs = [(_as_held(p, world_size, dtype), m) for p, m in _param_modules(model_or_params) if p.requires_grad]
     hp = {**spec.defaults, **hyperparameters}
     total = sum(int(spec.state_bytes(p, module=m, **hp)) for p, m in pairs)
     if spec.shared_state_bytes is not None:

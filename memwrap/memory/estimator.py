@@ -93,6 +93,7 @@ class Trace:
     world_size: int = 1
     strategy: str | None = None
     stack: str | None = None  # the repeated block stack (FSDP2 shards each of its blocks)
+    param_dtype: torch.dtype | None = None  # the precision's storage dtype (bf16-true: bf16), None: the model's
 
 
 def _optimizer_factory(name: str | None):
@@ -158,6 +159,10 @@ def trace_config(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Calla
     With ``strategy="fsdp2"`` the step traced is rank 0's of ``world_size`` FSDP2 ranks; with
     ``"ddp"`` the single-process step plus DDP's gradient buckets (see :mod:`memwrap.memory.sharded`).
     """
+    from memwrap.precision import get_precision
+
+    # Optimizer state a plugin predicts (derive) is sized on the parameters as the precision stores them.
+    dtype = get_precision(options.get("precision", "fp32")).param_dtype
     if strategy == "fsdp2":
         from memwrap.memory.sharded import fake_process_group, run_fsdp2_trace
 
@@ -166,8 +171,9 @@ def trace_config(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Calla
             least = FSDP2_MIN_DEPTH if options.get("checkpoint") not in (None, False) else FSDP2_MIN_DEPTH - 1
             trace = _trace_config(model, make_batch, loss_fn, options, optimizer, extrapolate, stack, runner,
                                   min_depth=least, min_periods=2)
-        return dataclasses.replace(trace, world_size=world_size, strategy=strategy)
-    trace = _trace_config(model, make_batch, loss_fn, options, optimizer, extrapolate, stack, run_trace)
+        return dataclasses.replace(trace, world_size=world_size, strategy=strategy, param_dtype=dtype)
+    trace = dataclasses.replace(_trace_config(model, make_batch, loss_fn, options, optimizer, extrapolate, stack,
+                                              run_trace), param_dtype=dtype)
     if strategy == "ddp":
         from memwrap.memory.sharded import ddp_bucket_bytes, with_gradient_buckets
 
@@ -232,7 +238,8 @@ def derive(trace: Trace, optimizer: str, model: nn.Module, *, force: bool = Fals
     if spec.runs_on_fake and not force:
         return None
     # An FSDP2 rank's optimizer holds its shards only (the traced state is the rank's too).
-    new_state = predict_state_bytes(optimizer, model, world_size=trace.world_size if trace.strategy == "fsdp2" else 1)
+    new_state = predict_state_bytes(optimizer, model, world_size=trace.world_size if trace.strategy == "fsdp2" else 1,
+                                    dtype=trace.param_dtype)
     delta = new_state - trace.state["optimizer_state"]
     segments = {}
     for key, seg in trace.segments.items():
