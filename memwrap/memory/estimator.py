@@ -37,8 +37,10 @@ __all__ = ["Estimate", "estimate", "Trace", "trace_config", "derive", "resolve_m
 
 PHASES = ("forward", "backward", "optimizer")
 # FSDP2 prefetches the next block's all-gather in forward and backward, except at the ends of the stack:
-# its traces must hold interior blocks (>= 3 with checkpointing, 2 without, and >= 2 periods of the checkpoint
-# pattern) for the per-block memory to repeat; exact against full traces in tests/test_sharded_plan.py.
+# its traces must hold interior blocks (>= 3, and >= 2 periods of the checkpoint pattern) for the per-block memory to
+# repeat; exact against full traces in tests/test_sharded_plan.py. Traces of 2 and 3 blocks without checkpointing
+# (tried, and exact on a narrow model) over-predicted the 384-wide GPT of benchmarks/distributed_planner.py by 19.7 MB
+# (+8.9%): with 2 blocks the backward peak of the last block also holds the first block's edge.
 FSDP2_MIN_DEPTH = 3
 _TRACE_PREFIX = "WrappedModule.module."
 
@@ -168,9 +170,8 @@ def trace_config(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Calla
 
         with fake_process_group(world_size) as mesh:
             runner = functools.partial(run_fsdp2_trace, mesh=mesh)
-            least = FSDP2_MIN_DEPTH if options.get("checkpoint") not in (None, False) else FSDP2_MIN_DEPTH - 1
             trace = _trace_config(model, make_batch, loss_fn, options, optimizer, extrapolate, stack, runner,
-                                  min_depth=least, min_periods=2)
+                                  min_depth=FSDP2_MIN_DEPTH, min_periods=2)
         return dataclasses.replace(trace, world_size=world_size, strategy=strategy, param_dtype=dtype)
     trace = dataclasses.replace(_trace_config(model, make_batch, loss_fn, options, optimizer, extrapolate, stack,
                                               run_trace), param_dtype=dtype)
