@@ -69,6 +69,7 @@ def worker(args):
                   "plain_ms": 1e3 * statistics.median(plain), "memwrap_ms": 1e3 * statistics.median(wrapped),
                   "speedup_median": statistics.median(ratios), "speedups": ratios}
         Path(args.result).write_text(json.dumps(result))
+    dist.barrier()  # leave together (a rank tearing gloo down early can abort its peer)
     dist.destroy_process_group()
 
 

@@ -67,6 +67,7 @@ def worker(out_dir: str) -> None:
     rows.append({"collective_temporaries": collective_temporaries()})
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(rows, fh)
+    dist.barrier()  # leave together (a rank tearing gloo down early can abort its peer)
     dist.destroy_process_group()
 
 

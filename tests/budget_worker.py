@@ -86,6 +86,7 @@ def main() -> None:
     finally:
         with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
             json.dump(out, f)
+        dist.barrier()  # leave together (a rank tearing gloo down early can abort its peer)
         dist.destroy_process_group()
 
 

@@ -353,6 +353,7 @@ def main() -> None:
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump({"world": dist.get_world_size(), "results": results}, f)
+        dist.barrier()  # leave together (a rank tearing gloo down early can abort its peer)
         dist.destroy_process_group()
 
 

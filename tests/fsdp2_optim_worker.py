@@ -64,6 +64,7 @@ def main(out: str, names: list[str]) -> None:
         dist.barrier()
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as fh:
         json.dump(results, fh)
+    dist.barrier()  # leave together (a rank tearing gloo down early can abort its peer)
     dist.destroy_process_group()
 
 
