@@ -109,6 +109,10 @@ class OptimizerSpec:
             passes to this optimizer for ``TrainingArguments(optim=hf_name)`` (learning rate, betas,
             parsed ``optim_args``, ``optim_target_modules``), read duck-typed; raises ``ValueError``
             naming ``optim_args`` keys that do not apply. None: not a Trainer optimizer.
+        approximates: the registry name of the optimizer whose update this one computes, up to how its state
+            is stored (quantized to 8 or 4 bits, paged): ``"adamw"`` for the 8-bit, 4-bit and paged AdamWs. When
+            the user's optimizer fits nowhere, the planner ranks the candidates that approximate it before those
+            with other maths. None: its own maths.
     """
 
     name: str
@@ -131,6 +135,7 @@ class OptimizerSpec:
     updates_in_backward: bool = False
     trainer_kwargs: Callable[[str, Any], dict[str, Any]] | None = None
     state_location: str | None = None  # None: "paged" when paged=True, else "device"
+    approximates: str | None = None
 
     def __post_init__(self) -> None:
         location = self.state_location if self.state_location is not None else ("paged" if self.paged else "device")
@@ -138,6 +143,11 @@ class OptimizerSpec:
             raise ValueError(f"OptimizerSpec {self.name!r}: state_location must be one of {', '.join(STATE_LOCATIONS)}, "
                              f"got {self.state_location!r}.")
         object.__setattr__(self, "state_location", location)
+        if self.approximates is not None:
+            if not isinstance(self.approximates, str) or not self.approximates:
+                raise TypeError(f"OptimizerSpec {self.name!r}: approximates must be an optimizer name or None, got "
+                                f"{self.approximates!r}")
+            object.__setattr__(self, "approximates", _normalize(self.approximates))
         if not isinstance(self.name, str) or not self.name or _normalize(self.name) != self.name:
             raise ValueError(f"OptimizerSpec name must be lower case with '_' separators, got {self.name!r}"
                              + (f"; use {_normalize(self.name)!r}" if isinstance(self.name, str) else ""))

@@ -174,21 +174,24 @@ _LION_NOTE = ("Lion usually wants a learning rate 3-10x smaller and a weight dec
 
 
 def _spec(name: str, cls: str, n_states: int, n_maps: int, bits: int, trainer_kwargs, *, aliases=(), paged=False,
-          carries=_ADAM_CARRIES, note: str = "", what: str = "") -> OptimizerSpec:
+          carries=_ADAM_CARRIES, note: str = "", what: str = "", approximates: str | None = None) -> OptimizerSpec:
     per = f"about {n_states} byte(s)/param" if bits == 8 else f"{4 * n_states} bytes/param"
     cpu_matrices = not (cls.endswith("AdEMAMix32bit"))
     common = {**_COMMON, "devices": _8BIT_DEVICES if cpu_matrices else ("cuda", "xpu")}
     return OptimizerSpec(
         name=name, aliases=aliases, factory=_factory(cls, cpu_matrices), state_bytes=_state_bytes(n_states, bits),
         shared_state_bytes=_shared_bytes(n_maps) if bits == 8 else None, paged=paged, carries=carries,
-        trainer_kwargs=trainer_kwargs, conversion_note=note,
+        trainer_kwargs=trainer_kwargs, conversion_note=note, approximates=approximates,
         description=f"bitsandbytes {cls}: {what}{per} of state" + (f"; {_PAGED_NOTE}." if paged else ".")
                     + ("" if cpu_matrices else " GPU only (no CPU kernel for matrices)."), **common)
 
 
-ADAMW_8BIT = _spec("adamw_8bit", "AdamW8bit", 2, 2, 8, _adamw_kwargs, aliases=("adamw_bnb_8bit", "bnb_adamw_8bit"))
-PAGED_ADAMW_8BIT = _spec("paged_adamw_8bit", "PagedAdamW8bit", 2, 2, 8, _adamw_kwargs, paged=True)
-PAGED_ADAMW_32BIT = _spec("paged_adamw_32bit", "PagedAdamW32bit", 2, 0, 32, _adamw_kwargs, paged=True)
+# AdamW's update with its two moments stored in 8 bits (block-wise) or paged: the planner's closest stand-ins for AdamW.
+ADAMW_8BIT = _spec("adamw_8bit", "AdamW8bit", 2, 2, 8, _adamw_kwargs, aliases=("adamw_bnb_8bit", "bnb_adamw_8bit"),
+                   approximates="adamw")
+PAGED_ADAMW_8BIT = _spec("paged_adamw_8bit", "PagedAdamW8bit", 2, 2, 8, _adamw_kwargs, paged=True, approximates="adamw")
+PAGED_ADAMW_32BIT = _spec("paged_adamw_32bit", "PagedAdamW32bit", 2, 0, 32, _adamw_kwargs, paged=True,
+                          approximates="adamw")
 
 # AdEMAMix keeps two EMAs of the gradient (fast and slow) and one of its square: three values per parameter.
 _ADEMAMIX = dict(carries=frozenset({"lr", "weight_decay"}),

@@ -61,12 +61,12 @@ _COMMON = dict(available=module_available(*_EXTRA), runs_on_fake=False, trainer_
 
 ADAMW_TORCH_8BIT = OptimizerSpec(
     name="adamw_torch_8bit", aliases=("torchao_adamw_8bit",), factory=_factory("AdamW8bit"),
-    state_bytes=_state_bytes(8, 256), description="torchao AdamW8bit: 8-bit block-wise moments (about 2 bytes/param).",
+    approximates="adamw", state_bytes=_state_bytes(8, 256), description="torchao AdamW8bit: 8-bit block-wise moments (about 2 bytes/param).",
     **_COMMON)
 
 ADAMW_TORCH_4BIT = OptimizerSpec(
     name="adamw_torch_4bit", aliases=("torchao_adamw_4bit",), factory=_factory("AdamW4bit"),
-    state_bytes=_state_bytes(4, 128), description="torchao AdamW4bit: 4-bit block-wise moments (about 1 byte/param).",
+    approximates="adamw", state_bytes=_state_bytes(4, 128), description="torchao AdamW4bit: 4-bit block-wise moments (about 1 byte/param).",
     **_COMMON)
 
 

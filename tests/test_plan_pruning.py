@@ -336,3 +336,28 @@ def test_derived_optimizer_state_follows_the_precisions_storage_dtype(optim):
         lm_loss(wmodel(batch[0]), batch[1]).backward()
         wopt.step()
     assert est.state["optimizer_state"] == measure_state_bytes(wopt.optimizer)
+
+
+def test_an_optimizer_that_approximates_yours_ranks_before_other_maths():
+    # The 70B-on-8-GPUs case in small: AdamW cannot fit, SGD (no state) and torchao's 8-bit AdamW can; SGD is faster
+    # by the cost model, but the 8-bit AdamW keeps AdamW's update and hyperparameters.
+    pytest.importorskip("torchao")
+    from memwrap.registry import get_optimizer_spec
+
+    assert get_optimizer_spec("adamw_torch_8bit").approximates == "adamw"
+    assert get_optimizer_spec("paged_adamw_8bit").approximates == "adamw" and get_optimizer_spec("sgd").approximates is None
+    full = plan(_model, _batch, budget="64GiB", global_batch=2, loss_fn=lm_loss, margin=(0, 0), precisions=("fp32",),
+                checkpoints=(None,), micro_batches=(2,), step_in_backward=(False,), chunked_loss=(False,),
+                optimizers=("adamw", "sgd", "adamw_torch_8bit"))
+    need = {c.optim: c.required for c in full.candidates}
+    assert need["sgd"] < need["adamw_torch_8bit"] < need["adamw"]
+    p = full.with_budget(need["adamw"] - 1, margin=(0, 0))
+    fitting = [c.optim for c in p.candidates if c.fits]
+    assert fitting == ["adamw_torch_8bit", "sgd"]
+    sgd = next(c for c in p.candidates if c.optim == "sgd")
+    assert sgd.seconds <= p.best.seconds  # so speed alone would have picked SGD
+    assert "approximates adamw" in p.best.changes[0] and "Its hyperparameters are adamw's" in p.verdict
+    with pytest.raises(TypeError, match="approximates must be an optimizer name"):
+        from memwrap.registry import OptimizerSpec
+
+        OptimizerSpec(name="x", factory=lambda params: None, state_bytes=lambda p, module=None: 0, approximates=3)

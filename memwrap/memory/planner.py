@@ -26,6 +26,8 @@ from memwrap.memory.budget import format_bytes, parse_budget
 from memwrap.memory.cost import cost_terms
 from memwrap.memory.estimator import Estimate, derive, finish, resolve_model, trace_config
 from memwrap.memory.margin import Margin
+# How fitting candidates are ordered (memwrap.memory.ranking); rank stays importable from here.
+from memwrap.memory.ranking import _approximates, rank
 # The search space (defaults learned from the registries, micro-batch sizes, the candidate grid); its names stay
 # importable from here.
 from memwrap.memory.search_space import (DEFAULT_CHECKPOINTS, DEFAULT_PRECISIONS, _checkpoint_spec, _expand,
@@ -178,6 +180,9 @@ class Plan:
                 why = self.keep_note
             else:
                 why = f"{keep} was not among the optimizers searched"
+            if _approximates(b.optim) == keep:
+                return (f" NOTE: this changes the training maths ({'; '.join(b.changes)}): {why}. Its hyperparameters "
+                        f"are {keep}'s; the quantized or paged state can still shift convergence slightly.")
             return (f" NOTE: this changes the training maths ({'; '.join(b.changes)}): {why}. The new optimizer "
                     f"has other hyperparameters and convergence; check them before a long run.")
         faster = [c for c in self.candidates if c.fits and c.changes and c.seconds < b.seconds]
@@ -428,26 +433,6 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
         raise ValueError(f"no candidate could be traced: {skipped[0][1] if skipped else 'empty grid'}")
     return Plan(rank(results, budget_bytes, margin_, keep_optim=keep), budget_bytes, global_batch, margin_,
                 time.perf_counter() - start, skipped, keep, _keep_note(keep, specs, results, floors))
-
-
-def rank(candidates: list[Candidate], budget: int, margin: Margin, *, keep_optim: str | None = None) -> list[Candidate]:
-    """Judge each candidate against ``budget`` (peak + margin) and order them: those that fit first, the
-    ones keeping ``keep_optim`` (same training maths) before the ones that change it, each group by
-    predicted step time; then the others by the memory they need. ``cost`` is relative to the fastest.
-
-    Example:
-        >>> [c.optim for c in rank(cands, 8 * 2**30, Margin(), keep_optim="adamw") if c.fits][:1]  # doctest: +SKIP
-        ['adamw']
-    """
-    fastest = min((c.seconds for c in candidates), default=0.0)
-    for c in candidates:
-        c.margin = margin.of(c.estimate.peak)
-        c.fits = c.estimate.peak + c.margin <= budget
-        c.cost = c.seconds / fastest if fastest > 0 else 1.0
-        c.changes = () if keep_optim is None or c.optim == keep_optim else (f"optimizer {keep_optim} -> {c.optim}",)
-        if c.extra.get("compensation") == "none":  # bf16 storage without compensated updates: small steps round away
-            c.changes += (f"{c.precision} updates uncompensated (compensation='none')",)
-    return sorted(candidates, key=lambda c: (0, bool(c.changes), c.seconds) if c.fits else (1, c.required, c.seconds))
 
 
 def _keep_note(keep: str | None, specs: list[dict], results: list[Candidate], floors: dict) -> str:

@@ -1,0 +1,60 @@
+"""How a plan orders its candidates: those that fit first, your training maths before optimizers that approximate it
+(``OptimizerSpec.approximates``: 8-bit, 4-bit or paged AdamW for AdamW) before other maths, each group by predicted
+step time; then the candidates that do not fit, by the memory they need.
+
+Example:
+    >>> [c.optim for c in rank(cands, 8 * 2**30, Margin(), keep_optim="adamw") if c.fits][:1]  # doctest: +SKIP
+    ['adamw']
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from memwrap.memory.margin import Margin
+
+__all__ = ["rank"]
+
+
+def rank(candidates: list[Any], budget: int, margin: Margin, *, keep_optim: str | None = None) -> list[Any]:
+    """Judge each candidate against ``budget`` (peak + margin) and order them: those that fit first, the
+    ones keeping ``keep_optim`` (same training maths), then those whose optimizer approximates it
+    (``OptimizerSpec.approximates``: 8-bit, 4-bit or paged AdamW for AdamW), then the others, each group by
+    predicted step time; then the candidates that do not fit by the memory they need. ``cost`` is relative to
+    the fastest.
+
+    Example:
+        >>> [c.optim for c in rank(cands, 8 * 2**30, Margin(), keep_optim="adamw") if c.fits][:1]  # doctest: +SKIP
+        ['adamw']
+    """
+    fastest = min((c.seconds for c in candidates), default=0.0)
+    near: dict[str, bool] = {}  # optimizer -> whether its spec approximates keep_optim (quantized/paged AdamW)
+    for c in candidates:
+        c.margin = margin.of(c.estimate.peak)
+        c.fits = c.estimate.peak + c.margin <= budget
+        c.cost = c.seconds / fastest if fastest > 0 else 1.0
+        c.changes = ()
+        if keep_optim is not None and c.optim != keep_optim:
+            if c.optim not in near:
+                near[c.optim] = _approximates(c.optim) == keep_optim
+            c.changes = (f"optimizer {keep_optim} -> {c.optim}" + (f" (approximates {keep_optim}: the same update, its "
+                                                                  "state stored in fewer bits or paged)"
+                                                                  if near[c.optim] else ""),)
+        if c.extra.get("compensation") == "none":  # bf16 storage without compensated updates: small steps round away
+            c.changes += (f"{c.precision} updates uncompensated (compensation='none')",)
+
+    def closeness(c: Any) -> int:
+        # 0: your maths; 1: an optimizer that approximates yours; 2: other maths
+        return 0 if not c.changes else 1 if near.get(c.optim) else 2
+
+    return sorted(candidates, key=lambda c: (0, closeness(c), bool(c.changes), c.seconds) if c.fits
+                  else (1, c.required, c.seconds))
+
+
+def _approximates(optim: str) -> str | None:
+    """The optimizer ``optim``'s spec says it approximates (``OptimizerSpec.approximates``), or None."""
+    from memwrap.registry import get_optimizer_spec
+
+    try:
+        return get_optimizer_spec(optim).approximates
+    except ValueError:  # a name the registry no longer knows: its own maths
+        return None
