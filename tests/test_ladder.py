@@ -6,8 +6,6 @@ these tests check the mechanism on small models.
 """
 from __future__ import annotations
 
-import types
-import warnings
 
 import pytest
 import torch
@@ -16,9 +14,9 @@ import memwrap
 from memwrap.memory import measure_peak
 from memwrap.memory.planner import plan
 from memwrap.models import Llama, LlamaConfig, build_preset, get_preset, preset_batch
-from memwrap.plugins import get_plugin_manager, hookimpl
 from memwrap.precision import Precision
 from memwrap.registry import OptimizerSpec, get_optimizer_spec, predict_state_bytes
+from plugin_registration import registered
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -35,22 +33,6 @@ def _llama(vocab=512, layers=2, hidden=64):
 def _batch(vocab=512, b=2, t=64):
     ids = torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(0))
     return {"input_ids": ids, "labels": ids}
-
-
-class _registered:
-    """Register a run-time plugin (hook name -> function) for the duration of a ``with`` block."""
-
-    def __init__(self, name, **hooks):
-        self.plugin = types.SimpleNamespace(**{k: hookimpl(v) for k, v in hooks.items()})
-        self.name = name
-
-    def __enter__(self):
-        get_plugin_manager().register(self.plugin, name=self.name)
-        return self.plugin
-
-    def __exit__(self, *exc):
-        get_plugin_manager().unregister(self.plugin)
-        return False
 
 
 # ----------------------------------------------------------------------------- item 5: where the state lives
@@ -73,7 +55,7 @@ def test_host_state_location_from_a_plugin_counts_as_host_memory():
     spec = get_optimizer_spec("adamw")
     offloaded = OptimizerSpec("k_offload_adamw", factory=spec.factory, state_bytes=spec.state_bytes,
                               runs_on_fake=False, state_location="host")
-    with _registered("k_offload_plugin", memwrap_optimizers=lambda: [offloaded]):
+    with registered("k_offload_plugin", memwrap_optimizers=lambda: [offloaded]):
         build, batch = _llama(), _batch()
         est = memwrap.estimate(build, batch, optim="k_offload_adamw")
         ref = memwrap.estimate(build, batch, optim="adamw")
@@ -166,7 +148,7 @@ class _Fp32Twin(Precision):
 
 
 def test_a_precision_plugin_is_searched_by_the_planner():
-    with _registered("k_precision_plugin", memwrap_precisions=lambda: [_Fp32Twin]):
+    with registered("k_precision_plugin", memwrap_precisions=lambda: [_Fp32Twin]):
         from memwrap.memory.techniques import default_precisions
 
         assert "k-fp32-twin" in default_precisions()

@@ -1,6 +1,5 @@
 """Precision modes are plugins: registry, names, conformance kit, third-party plugins, TF32 restore."""
 import gc
-import types
 import warnings
 
 import pytest
@@ -8,10 +7,11 @@ import torch
 
 import memwrap
 from memwrap.config import parse_options
-from memwrap.plugins import get_plugin_manager, hookimpl, plugin_errors
+from memwrap.plugins import hookimpl, plugin_errors
 from memwrap.precision import (Precision, PrecisionConflictError, UnknownPrecisionError, get_precision_class,
                                precision_names, precisions, resolve_precision)
 from memwrap.testing import check_precision
+from plugin_registration import registered
 
 BUILTINS = {"fp32", "tf32", "bf16", "fp16", "bf16-true"}
 
@@ -111,20 +111,9 @@ def test_conformance_kit_catches_a_wrong_memory_claim():
         check_precision("liar", checks=("memory",))
 
 
-class _registered:
-    """Register precision classes as a run-time plugin for the duration of a ``with`` block."""
-
-    def __init__(self, *classes, name="test_precision_plugin", hook=None):
-        self.plugin = types.SimpleNamespace(memwrap_precisions=hook or hookimpl(lambda: list(classes)))
-        self.name = name
-
-    def __enter__(self):
-        get_plugin_manager().register(self.plugin, name=self.name)
-        return self.plugin
-
-    def __exit__(self, *exc):
-        get_plugin_manager().unregister(self.plugin)
-        return False
+def _registered(*classes, name="test_precision_plugin", hook=None):
+    """Register precision classes (or a ready ``memwrap_precisions`` hook) as a run-time plugin in a ``with`` block."""
+    return registered(name, memwrap_precisions=hook or (lambda: list(classes)))
 
 
 class Fp32Logged(Precision):

@@ -222,7 +222,7 @@ def sharding_refusal(optimizer: str, mesh) -> str | None:
                 built = create_optimizer(optimizer, probe.parameters(), model=probe, **extra)
                 break
             except Exception as exc:  # noqa: BLE001 - whatever stops the probe is the reason it is not planned
-                error = exc if error is None or "lr" not in extra or "target_modules" in extra else error
+                error = exc  # the last attempt's reason is reported
         if built is None:
             return (f"not verified on FSDP2's DTensor parameters: building it on a sharded probe layer failed "
                     f"({type(error).__name__}: {str(error)[:160]}), so memwrap could not see it step shards. Fix: "
