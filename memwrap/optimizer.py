@@ -209,7 +209,8 @@ class WrappedOptimizer(torch.optim.Optimizer):
                 "memwrap's wrapped optimizer does not take a closure: with accumulation, the forward "
                 "and backward passes belong to your loop. Call optimizer.step() without arguments."
             )
-        self.did_update = False
+        # Both describe this call: one that closes no window neither updated nor skipped an update.
+        self.did_update = self.step_was_skipped = False
         if not self._outer_checked:
             self._outer_checked = True
             _refuse_outer_accumulation(self.gate.accumulate)

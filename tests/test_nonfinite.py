@@ -228,3 +228,22 @@ def test_an_error_inside_the_inner_step_leaves_the_scaler_usable():
         o.step()
         o.zero_grad()
     assert o.updates == 2 and len(calls) == 3
+
+
+def test_step_was_skipped_is_about_the_last_step_call_only():
+    # accumulate=2; window 2 (micro-batches 2 and 3) is non-finite. The step() of micro-batch 4 closes no window,
+    # so it skipped nothing: the documented meaning ("the last step() closed a window whose update was skipped").
+    xs, ys = data(n=4)
+    model = mlp()
+    m, o = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2)
+    flags = []
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        loss = torch.nn.functional.mse_loss(m(x), y) * (float("nan") if i == 2 else 1.0)
+        loss.backward()
+        o.step()
+        flags.append(o.step_was_skipped)
+        o.zero_grad()
+    assert flags == [False, False, False, True]
+    m(xs[0]).sum().backward()
+    o.step()
+    assert o.step_was_skipped is False and o.did_update is False
