@@ -17,7 +17,9 @@ from typing import Any
 import torch
 
 from memwrap.accumulation import WrappedLoader
-from memwrap.rng import capture_rng, restore_rng
+from memwrap.lr_schedule import WrappedScheduler
+from memwrap.rng import check_rng, capture_rng, loader_generators, restore_rng
+from memwrap.state_checks import check_optimizer_state, check_plain_optimizer_state, check_scheduler_state, class_name
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
@@ -44,6 +46,9 @@ def save_checkpoint(path: str | os.PathLike, *, model: Any = None, optimizer: An
     state: dict[str, Any] = {"memwrap_checkpoint": _FORMAT, "extra": extra, "rng": capture_rng(cuda=True)}
     for name, obj in zip(_PARTS, (model, optimizer, scheduler, loader)):
         state[name] = None if obj is None else obj.state_dict()
+    # The classes of the optimizer and scheduler (inside memwrap's wrappers): a load into another kind is refused.
+    state["classes"] = {"optimizer": None if optimizer is None else class_name(getattr(optimizer, "optimizer", optimizer)),
+                        "scheduler": None if scheduler is None else class_name(_inner_scheduler(scheduler))}
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
@@ -78,10 +83,12 @@ def load_checkpoint(path: str | os.PathLike, *, model: Any = None, optimizer: An
                     strict: bool = True) -> Any:
     """Restore what :func:`save_checkpoint` saved into freshly built objects; return its ``extra``.
 
-    Every check runs before anything is changed: an unreadable file, a checkpoint missing a part you
-    passed (or, with ``strict=True``, holding a part you did not pass), a model with other keys or
-    shapes, an optimizer with other parameter groups or ``accumulate``. The random states are
-    restored last. ``weights_only=False`` is needed only if your ``extra`` holds arbitrary objects.
+    Every check runs before anything is changed, so a refused load leaves every object as it was: an
+    unreadable file, a checkpoint missing a part you passed (or, with ``strict=True``, holding a part you
+    did not pass), a model with other keys or shapes, an optimizer of another class or with other
+    parameter groups or ``accumulate``, a scheduler of another class, a GradScaler state this run's
+    precision would drop or cannot take, a loader built otherwise, damaged random states. The random
+    states are restored last. ``weights_only=False`` is needed only if your ``extra`` holds arbitrary objects.
 
     Example:
         >>> extra = memwrap.load_checkpoint("ckpt.pt", model=model, optimizer=optimizer, scheduler=scheduler,
@@ -102,7 +109,8 @@ def load_checkpoint(path: str | os.PathLike, *, model: Any = None, optimizer: An
         raise ValueError(f"{path} is not a checkpoint written by memwrap.save_checkpoint(); load it with torch.load.")
     targets = dict(zip(_PARTS, (model, optimizer, scheduler, loader)))
     _check(state, targets, strict)
-    # Optimizer first: a refusal there (it checks its own state before loading) leaves everything as it was.
+    # Everything that can refuse has been checked above; the loads below only apply it (each load_state_dict checks
+    # again, and finds nothing).
     for name in ("optimizer", "model", "scheduler", "loader"):
         if targets[name] is not None:
             targets[name].load_state_dict(state[name])
@@ -121,29 +129,39 @@ def _check(state: dict[str, Any], targets: dict[str, Any], strict: bool) -> None
         if strict and obj is None and state.get(name) is not None:
             raise ValueError(f"the checkpoint holds a {name} state, but no {name}= was passed, so it would not be "
                              f"restored. Fix: pass {name}=..., or strict=False to leave it out on purpose.")
+    classes = state.get("classes") or {}  # absent in checkpoints of earlier memwrap versions
     if targets["model"] is not None:
         _check_model(state["model"], targets["model"].state_dict())
     if targets["optimizer"] is not None:
-        _check_optimizer(state["optimizer"], targets["optimizer"])
+        _check_optimizer(state["optimizer"], targets["optimizer"], classes.get("optimizer"))
+    if targets["scheduler"] is not None:
+        _check_scheduler(state["scheduler"], targets["scheduler"], classes.get("scheduler"))
     if targets["loader"] is not None:
         if not isinstance(targets["loader"], WrappedLoader):
             raise TypeError("loader= must be the loader memwrap.wrap() returned: only it can resume mid-epoch.")
-        targets["loader"].check_state_dict(state["loader"])
+        _check_loader(state["loader"], targets["loader"])
+    check_rng(state.get("rng"), what="the checkpoint's random state")
 
 
 def _check_model(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    if not isinstance(saved, dict):
+        raise ValueError(f"the checkpoint's model state is a {type(saved).__name__}, not a state_dict. Fix: save "
+                         "with memwrap.save_checkpoint(..., model=model).")
     missing, unexpected = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
     if missing or unexpected:
         raise ValueError(f"the checkpoint's model does not match: missing keys {missing[:5]}, unexpected keys "
                          f"{unexpected[:5]}. Fix: build the same model as in the saved run.")
     for key, value in current.items():
-        if isinstance(value, torch.Tensor) and tuple(saved[key].shape) != tuple(value.shape):
-            raise ValueError(f"the checkpoint's {key} has shape {tuple(saved[key].shape)}, the model's "
+        if isinstance(value, torch.Tensor) and (not isinstance(saved[key], torch.Tensor)
+                                                or tuple(saved[key].shape) != tuple(value.shape)):
+            raise ValueError(f"the checkpoint's {key} has shape {tuple(getattr(saved[key], 'shape', ()))}, the model's "
                              f"{tuple(value.shape)}. Fix: build the same model as in the saved run.")
 
 
-def _check_optimizer(saved: dict[str, Any], optimizer: Any) -> None:
+def _check_optimizer(saved: dict[str, Any], optimizer: Any, saved_class: str | None) -> None:
     wrapped = hasattr(optimizer, "gate")
+    if not isinstance(saved, dict):
+        raise ValueError(f"the checkpoint's optimizer state is a {type(saved).__name__}, not a state_dict.")
     if wrapped != ("gate" in saved):
         raise ValueError("the checkpoint's optimizer state and the optimizer passed are not both memwrap-wrapped. "
                          "Fix: save and load the optimizer memwrap.wrap() returned.")
@@ -157,6 +175,41 @@ def _check_optimizer(saved: dict[str, Any], optimizer: Any) -> None:
     if saved_sizes != sizes:
         raise ValueError(f"the checkpoint's optimizer has parameter groups of sizes {saved_sizes}, this one "
                          f"{sizes}. Fix: build the optimizer as in the saved run.")
+    if wrapped:  # the wrapper's own full check: class, per-parameter state, GradScaler, partial gradients
+        check_optimizer_state(optimizer, saved)
+    else:
+        check_plain_optimizer_state(optimizer, saved, saved_class)
+
+
+def _inner_scheduler(scheduler: Any) -> Any:
+    return scheduler.scheduler if isinstance(scheduler, WrappedScheduler) else scheduler
+
+
+def _check_scheduler(saved: Any, scheduler: Any, saved_class: str | None) -> None:
+    """The same checks WrappedScheduler.load_state_dict makes, for a wrapped or a plain scheduler, before any load."""
+    wrapped_state = isinstance(saved, dict) and "updates_seen" in saved
+    if isinstance(scheduler, WrappedScheduler):
+        inner = saved.get("scheduler") if wrapped_state else saved
+        recorded = saved.get("scheduler_class") if wrapped_state else saved_class
+        check_scheduler_state(scheduler.scheduler, scheduler.optimizer.optimizer, inner, recorded or saved_class)
+        return
+    if wrapped_state:
+        raise ValueError("the checkpoint's scheduler state was saved from a memwrap-wrapped scheduler, the scheduler "
+                         "passed is a plain one. Nothing was loaded. Fix: pass the scheduler memwrap.wrap() returned.")
+    check_scheduler_state(scheduler, scheduler.optimizer, saved, saved_class)
+
+
+def _check_loader(saved: Any, loader: WrappedLoader) -> None:
+    loader.check_state_dict(saved)
+    generators = len(loader_generators(loader.loader))
+    for i, gen_state in enumerate(saved.get("generators") or []):
+        try:
+            torch.Generator().set_state(gen_state)  # a throwaway: torch judges the format, nothing changes
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"the checkpoint's loader generator {i} state is damaged ({err}). Nothing was loaded. "
+                             "Fix: load a checkpoint as memwrap.save_checkpoint wrote it.") from err
+    if saved.get("pass_rng") is not None:
+        check_rng(saved["pass_rng"], generators, what="the checkpoint's loader (this epoch's random order)")
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["capture_rng", "restore_rng", "loader_generators"]
+__all__ = ["capture_rng", "check_rng", "restore_rng", "loader_generators"]
 
 
 def loader_generators(loader: Any) -> list[torch.Generator]:
@@ -52,6 +52,56 @@ def capture_rng(generators: list[torch.Generator] = (), cuda: bool = False) -> d
     if cuda and torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def check_rng(state: Any, generators: int = 0, what: str = "the saved random state") -> None:
+    """Raise ``ValueError`` if :func:`restore_rng` would fail on ``state`` part-way (changes nothing).
+
+    Each piece is tried on a throwaway generator of its own kind, so torch, Python and numpy judge
+    their own formats and the global states stay untouched.
+
+    Example:
+        >>> check_rng(capture_rng())  # fits: no error
+    """
+    def refuse(piece: str, err: Any) -> None:
+        raise ValueError(f"{what} is damaged: its {piece} state cannot be restored ({err}). Nothing was loaded. "
+                         "Fix: load a checkpoint written by memwrap.save_checkpoint and not edited since.")
+
+    if not isinstance(state, dict) or not {"torch", "random", "generators"} <= state.keys():
+        refuse("overall", f"expected a dict with 'torch', 'random' and 'generators', got {type(state).__name__}")
+    saved = state["generators"]
+    if not isinstance(saved, (list, tuple)) or len(saved) != generators:
+        count = len(saved) if isinstance(saved, (list, tuple)) else saved
+        raise ValueError(f"{what} holds {count} loader generator(s) but this loader has {generators}. Nothing was "
+                         "loaded. Fix: build the DataLoader as in the saved run (same generator= / sampler).")
+    for name, value in [("torch", state["torch"])] + [(f"generator {i}", g) for i, g in enumerate(saved)]:
+        try:
+            torch.Generator().set_state(value)
+        except (RuntimeError, TypeError) as err:
+            refuse(name, err)
+    try:
+        random.Random().setstate(_as_tuples(state["random"]))
+    except (TypeError, ValueError) as err:
+        refuse("Python random", err)
+    if state.get("numpy") is not None:
+        try:
+            import numpy as np
+
+            name, key, pos, has_gauss, gauss = state["numpy"]
+            np.random.RandomState().set_state((name, key.numpy().astype(np.uint32), pos, has_gauss, gauss))
+        except (ImportError, TypeError, ValueError, AttributeError) as err:
+            refuse("numpy", err)
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if not isinstance(cuda, (list, tuple)) or len(cuda) > torch.cuda.device_count():
+            raise ValueError(
+                f"{what} holds CUDA random states for {len(cuda) if isinstance(cuda, (list, tuple)) else cuda} "
+                f"device(s) but this process sees {torch.cuda.device_count()}. Nothing was loaded. Fix: resume with "
+                "as many visible GPUs as the saved run (CUDA_VISIBLE_DEVICES), or drop the checkpoint's "
+                "state['rng']['cuda'] to give up repeating its GPU dropout.")
+        for i, value in enumerate(cuda):
+            if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8:
+                refuse(f"CUDA device {i}", f"expected a uint8 tensor, got {type(value).__name__}")
 
 
 def restore_rng(state: dict[str, Any], generators: list[torch.Generator] = ()) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from memwrap.accumulation import AccumulationGate
 
-__all__ = ["class_name", "check_optimizer_state", "check_scheduler_state"]
+__all__ = ["class_name", "check_optimizer_state", "check_plain_optimizer_state", "check_scheduler_state"]
 
 # Scheduler attributes that come and go between torch releases without changing the schedule.
 _VOLATILE_SCHEDULER_KEYS = {"verbose"}
@@ -83,6 +83,21 @@ def check_optimizer_state(wrapped: Any, state: Any) -> None:
         _refuse("its memory monitor entry has no 'records'")
 
 
+def check_plain_optimizer_state(optimizer: torch.optim.Optimizer, state: Any, saved_class: str | None) -> None:
+    """Raise ``ValueError`` if a plain ``torch.optim`` state (not memwrap-wrapped) does not fit ``optimizer``.
+
+    torch's own ``load_state_dict`` checks the group sizes but loads another optimizer's per-parameter entries.
+
+    Example:
+        >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        >>> check_plain_optimizer_state(opt, opt.state_dict(), class_name(opt))  # fits: no error
+    """
+    if saved_class is not None and saved_class != class_name(optimizer):
+        _refuse(f"it was saved from a {saved_class} but this optimizer is a {class_name(optimizer)}. Fix: resume with "
+                "the optimizer the checkpoint was saved with; to start another optimizer, load only the model")
+    _check_inner(optimizer, state)
+
+
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
@@ -114,12 +129,30 @@ def _check_inner(optimizer: torch.optim.Optimizer, inner: Any) -> None:
                         f"shape {tuple(now.shape)}: the model differs from the saved one")
 
 
+# GradScaler.load_state_dict's entries and the kinds torch's loader needs (fill_ takes a number, not a string).
+_SCALER_KINDS = {"scale": numbers.Real, "growth_factor": numbers.Real, "backoff_factor": numbers.Real,
+                 "growth_interval": numbers.Integral, "_growth_tracker": numbers.Integral}
+
+
 def _check_scaler(scaler: torch.amp.GradScaler, saved: Any) -> None:
-    if not saved or not scaler.is_enabled():
-        return  # nothing to load (torch's GradScaler ignores a state when disabled)
+    if not saved:
+        return  # saved from a run without loss scaling: a scaler here starts fresh, as in a new fp16 run
+    if not scaler.is_enabled():
+        # torch's disabled GradScaler ignores any state: the saved loss scale would be dropped without a word.
+        _refuse("it holds a GradScaler (scaler) state, saved from a run with precision='fp16', but this run's "
+                "precision has no loss scaling, so that state would be dropped. Fix: resume with precision='fp16'; "
+                "to change precision on purpose, empty the saved entry first (state['scaler'] = {} in the "
+                "optimizer's state, state['optimizer']['scaler'] = {} in a memwrap.save_checkpoint file)")
+    if not isinstance(saved, dict):
+        _refuse(f"its GradScaler (scaler) state is a {type(saved).__name__}, not a dict")
     missing = [k for k in scaler.state_dict() if k not in saved]
     if missing:
         _refuse(f"its GradScaler (scaler) state lacks {missing}")
+    wrong = [k for k, kind in _SCALER_KINDS.items()
+             if k in saved and (not isinstance(saved[k], kind) or isinstance(saved[k], bool))]
+    if wrong:
+        _refuse(f"its GradScaler (scaler) entries {wrong} are not numbers ({ {k: saved[k] for k in wrong} }): "
+                "a damaged or hand-edited checkpoint. Fix: load the state as memwrap saved it")
 
 
 def _check_grads(wrapped: Any, grads: Any) -> None:

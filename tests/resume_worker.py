@@ -29,24 +29,28 @@ class Augmented(torch.utils.data.Dataset):
         return x * random.uniform(0.9, 1.1) + 0.01 * torch.randn(x.shape), y
 
 
-def job(mode, seed=0, generator=False):
+def job(mode, seed=0, generator=False, *, width=16, extra_layer=False, sgd=False, step_lr=False, precision=None):
+    """The fixed job; the keyword-only arguments change one piece (for the refused-load tests)."""
     torch.manual_seed(seed)
     random.seed(seed)
-    layers = [torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 2)]
+    layers = [torch.nn.Linear(6, width), torch.nn.GELU(), torch.nn.Linear(width, 2)]
+    if extra_layer:
+        layers.append(torch.nn.Linear(2, 2))
     if mode == "dropout":
         layers.insert(2, torch.nn.Dropout(0.3))
     model = torch.nn.Sequential(*layers)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    opt = (torch.optim.SGD if sgd else torch.optim.AdamW)(model.parameters(), lr=1e-2)
+    sched = (torch.optim.lr_scheduler.StepLR(opt, step_size=2) if step_lr
+             else torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)))
     gen = torch.Generator().manual_seed(1)
     data = [(torch.randn(4, 6, generator=gen), torch.randn(4, 2, generator=gen)) for _ in range(N_BATCHES)]
-    precision = mode
+    precision = precision or mode
     if mode == "dropout":
         # Shuffled: the order of each epoch is drawn from the global RNG (or generator=) when the epoch starts.
         samples = Augmented([(x[i], y[i]) for x, y in data for i in range(4)])
         data = torch.utils.data.DataLoader(samples, batch_size=4, shuffle=True,
                                            generator=torch.Generator().manual_seed(5) if generator else None)
-        precision = "fp32"
+        precision = "fp32" if precision == "dropout" else precision
     return memwrap.wrap(model, opt, sched, data, precision=precision, accumulate=ACCUMULATE, max_grad_norm=1.0)
 
 

@@ -1,4 +1,5 @@
 """Stopping after any micro-step and resuming reproduces the uninterrupted run; a kill during a save loses nothing."""
+import copy
 import os
 import random
 import signal
@@ -114,6 +115,121 @@ def test_load_checks_everything_before_changing_anything(tmp_path):
     with pytest.raises(ValueError, match="cannot read the checkpoint"):
         memwrap.load_checkpoint(truncated, model=fresh_model, optimizer=fresh_opt, scheduler=fresh_sched, loader=fresh_loader)
     assert all(torch.equal(a, b) for a, b in zip(_params(fresh_model), before[0]))
+
+
+def _everything(model, opt, sched, loader):
+    """Deep copies of every state a load could change, to compare bit for bit."""
+    return copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                          "loader": loader.state_dict(), "grads": [p.grad for p in model.parameters()],
+                          "rng": (torch.get_rng_state(), random.getstate())})
+
+
+def _assert_same(a, b, path="state"):
+    assert type(a) is type(b), path
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+@pytest.fixture(scope="module")
+def saved_runs(tmp_path_factory):
+    """A checkpoint saved mid-window (partial gradients, a stepped scheduler) in fp32 and in fp16."""
+    out = {}
+    for precision in ("fp32", "fp16"):
+        run_ = resume_worker.job("dropout", precision=precision)
+        resume_worker.train(*run_, 0, 4)
+        out[precision] = memwrap.save_checkpoint(tmp_path_factory.mktemp("saved") / f"{precision}.pt", model=run_[0],
+                                                 optimizer=run_[1], scheduler=run_[2], loader=run_[3])
+    return out
+
+
+def _edited(path, tmp_path, edit):
+    state = torch.load(path, weights_only=True)
+    edit(state)
+    torch.save(state, tmp_path / "edited.pt")
+    return tmp_path / "edited.pt"
+
+
+def _set_scale(state):
+    state["optimizer"]["scaler"]["scale"] = "x"
+
+
+def _cut_rng(state):
+    state["rng"]["torch"] = state["rng"]["torch"][:100]
+
+
+# kind: (precision saved, what the loading run changes, an edit of the file, the refusal's words)
+MISMATCHES = {
+    "model-keys": ("fp32", {"extra_layer": True}, None, r"missing keys.*unexpected keys|does not match"),
+    "model-shapes": ("fp32", {"width": 32}, None, r"shape \(16, 6\).*\(32, 6\)"),
+    "optimizer-class": ("fp32", {"sgd": True}, None, r"AdamW.*SGD"),
+    "scheduler-class": ("fp32", {"step_lr": True}, None, r"LambdaLR.*StepLR"),
+    "scaler-into-fp32": ("fp16", {}, None, r"GradScaler.*fp16"),
+    "scaler-malformed": ("fp16", {"precision": "fp16"}, _set_scale, r"scaler.*'scale'"),
+    "loader-generators": ("fp32", {"generator": True}, None, r"generator"),
+    "rng": ("fp32", {}, _cut_rng, r"random state.*torch"),
+}
+
+
+@pytest.mark.parametrize("kind", list(MISMATCHES))
+def test_a_refused_load_checkpoint_leaves_every_object_bit_identical(tmp_path, saved_runs, kind):
+    """Every check runs before the first load: a refusal (any part) changes neither model, optimizer, scheduler,
+    loader nor the random states."""
+    precision, change, edit, match = MISMATCHES[kind]
+    path = saved_runs[precision] if edit is None else _edited(saved_runs[precision], tmp_path, edit)
+    fresh = resume_worker.job("dropout", seed=3, **change)
+    resume_worker.train(*fresh, 0, 2)  # a run with state of its own: a partial load would show
+    before = _everything(*fresh)
+    with pytest.raises(ValueError, match=match) as refusal:
+        memwrap.load_checkpoint(path, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2], loader=fresh[3])
+    assert "Fix" in str(refusal.value)
+    _assert_same(_everything(*fresh), before)
+
+
+def test_a_good_load_after_a_refused_one_is_still_exact(saved_runs):
+    fresh = resume_worker.job("dropout", seed=3, step_lr=True)
+    with pytest.raises(ValueError):
+        memwrap.load_checkpoint(saved_runs["fp32"], model=fresh[0], optimizer=fresh[1], scheduler=fresh[2],
+                                loader=fresh[3])
+    right = resume_worker.job("dropout", seed=3)
+    memwrap.load_checkpoint(saved_runs["fp32"], model=right[0], optimizer=right[1], scheduler=right[2], loader=right[3])
+    saved = torch.load(saved_runs["fp32"], weights_only=True)
+    _assert_same(copy.deepcopy(right[1].state_dict()), saved["optimizer"])
+    _assert_same(right[0].state_dict(), saved["model"])
+
+
+def test_plain_torch_objects_are_checked_the_same_way(tmp_path):
+    """Not wrapped: torch's own schedulers load any dict, so the class record is what refuses a StepLR into a
+    CosineAnnealingLR; an SGD state into AdamW is refused by its per-parameter entries."""
+    def plain(sgd=False, cosine=False, seed=0):
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(3, 2)
+        opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if sgd
+               else torch.optim.AdamW(model.parameters(), lr=0.1))
+        sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4) if cosine
+                 else torch.optim.lr_scheduler.StepLR(opt, step_size=2))
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        sched.step()
+        return model, opt, sched
+
+    model, opt, sched = plain()
+    path = memwrap.save_checkpoint(tmp_path / "plain.pt", model=model, optimizer=opt, scheduler=sched)
+    for change, match in [({"cosine": True}, r"StepLR.*CosineAnnealingLR"), ({"sgd": True}, r"AdamW.*SGD")]:
+        fresh = plain(seed=1, **change)
+        before = copy.deepcopy([part.state_dict() for part in fresh])
+        with pytest.raises(ValueError, match=match):
+            memwrap.load_checkpoint(path, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2])
+        _assert_same(copy.deepcopy([part.state_dict() for part in fresh]), before)
 
 
 # --- a kill during the save ----------------------------------------------------------------------------------
