@@ -95,42 +95,36 @@ def _shared_bytes(n_maps: int):
     return shared
 
 
-def _refuse_cpu_matrices(class_name: str, params) -> None:
-    # bitsandbytes' CPU kernel for 32-bit AdEMAMix indexes its (2, n) state as if it had the parameter's shape and
-    # fails on any matrix (bitsandbytes 0.50); Trainer's optim="ademamix" fails the same way on CPU.
-    from ._common import tensors_of
-
-    if any(t.device.type == "cpu" and t.dim() > 1 for t in tensors_of(params)):
-        raise ValueError(f"bitsandbytes' {class_name} has no working CPU kernel for matrices (its 32-bit AdEMAMix CPU "
-                         "path fails on 2-D parameters). Fix: run it on a CUDA GPU, or use ademamix_8bit on CPU.")
-
-
 def _refuse_cpu_paging(class_name: str, params) -> None:
     # bitsandbytes' paged AdEMAMix allocates its double state buffer with CUDA paging for tensors of 1e5+ values
-    # without the CPU fallback its other paged optimizers have (bitsandbytes 0.50), and fails there.
+    # without the CPU fallback its other paged optimizers have (bitsandbytes 0.50), and fails there; Trainer's
+    # paged_ademamix_* fails the same way on CPU.
     from ._common import tensors_of
 
     if any(t.device.type == "cpu" and t.numel() >= 100_000 for t in tensors_of(params)):
         raise ValueError(f"bitsandbytes' {class_name} cannot page its state on CPU (tensors of 100000+ values fail: no "
-                         "CPU fallback in bitsandbytes 0.50). Fix: run it on a CUDA GPU, or use ademamix_8bit on CPU "
-                         "(the same maths; paging only exists on CUDA anyway).")
+                         "CPU fallback in bitsandbytes 0.50). Fix: run it on a CUDA GPU, or use ademamix (32-bit) or "
+                         "ademamix_8bit on CPU (the same maths; paging only exists on CUDA anyway).")
 
 
-def _factory(class_name: str, cpu_matrices: bool = True):
+def _factory(class_name: str, fixed: dict | None = None):
+    """``bitsandbytes.optim.<class_name>(params, **fixed, **hp)``: ``fixed`` are the constructor arguments Trainer
+    passes for that name (``optim_bits``, ``is_paged``), so the very class and settings Trainer builds are built."""
+    fixed = dict(fixed or {})
+    paged_ademamix = "AdEMAMix" in class_name and bool(fixed.get("is_paged") or class_name.startswith("Paged"))
+    label = f"{class_name}({', '.join(f'{k}={v}' for k, v in fixed.items())})" if fixed else class_name
+
     def factory(params, **hp) -> torch.optim.Optimizer:
         bnb = _bnb()
-        if not cpu_matrices:
+        if paged_ademamix:
             params = list(params)
-            _refuse_cpu_matrices(class_name, params)
-        if class_name.startswith("PagedAdEMAMix"):
-            params = list(params)
-            _refuse_cpu_paging(class_name, params)
-        optimizer = getattr(bnb.optim, class_name)(params, **hp)
+            _refuse_cpu_paging(label, params)
+        optimizer = getattr(bnb.optim, class_name)(params, **{**fixed, **hp})
         optimizer.mng = _private_manager(bnb)
         return optimizer
 
     factory.__name__ = f"make_{class_name}"
-    factory.__doc__ = f"bitsandbytes.optim.{class_name}(params, **hp), importing bitsandbytes now."
+    factory.__doc__ = f"bitsandbytes.optim.{label}(params, **hp), importing bitsandbytes now."
     return factory
 
 
@@ -174,16 +168,16 @@ _LION_NOTE = ("Lion usually wants a learning rate 3-10x smaller and a weight dec
 
 
 def _spec(name: str, cls: str, n_states: int, n_maps: int, bits: int, trainer_kwargs, *, aliases=(), paged=False,
-          carries=_ADAM_CARRIES, note: str = "", what: str = "", approximates: str | None = None) -> OptimizerSpec:
+          carries=_ADAM_CARRIES, note: str = "", what: str = "", approximates: str | None = None,
+          fixed: dict | None = None, **extra) -> OptimizerSpec:
     per = f"about {n_states} byte(s)/param" if bits == 8 else f"{4 * n_states} bytes/param"
-    cpu_matrices = not (cls.endswith("AdEMAMix32bit"))
-    common = {**_COMMON, "devices": _8BIT_DEVICES if cpu_matrices else ("cuda", "xpu")}
+    shown = f"{cls}({', '.join(f'{k}={v}' for k, v in fixed.items())})" if fixed else cls
     return OptimizerSpec(
-        name=name, aliases=aliases, factory=_factory(cls, cpu_matrices), state_bytes=_state_bytes(n_states, bits),
+        name=name, aliases=aliases, factory=_factory(cls, fixed), state_bytes=_state_bytes(n_states, bits),
         shared_state_bytes=_shared_bytes(n_maps) if bits == 8 else None, paged=paged, carries=carries,
         trainer_kwargs=trainer_kwargs, conversion_note=note, approximates=approximates,
-        description=f"bitsandbytes {cls}: {what}{per} of state" + (f"; {_PAGED_NOTE}." if paged else ".")
-                    + ("" if cpu_matrices else " GPU only (no CPU kernel for matrices)."), **common)
+        description=f"bitsandbytes {shown}: {what}{per} of state" + (f"; {_PAGED_NOTE}." if paged else "."),
+        **{**_COMMON, **extra})
 
 
 # AdamW's update with its two moments stored in 8 bits (block-wise) or paged: the planner's closest stand-ins for AdamW.
@@ -197,10 +191,14 @@ PAGED_ADAMW_32BIT = _spec("paged_adamw_32bit", "PagedAdamW32bit", 2, 0, 32, _ada
 _ADEMAMIX = dict(carries=frozenset({"lr", "weight_decay"}),
                  note="AdEMAMix's betas are three (fast EMA, second moment, slow EMA) and take its defaults.",
                  what="two gradient EMAs and a second moment, ")
-ADEMAMIX = _spec("ademamix", "AdEMAMix32bit", 3, 0, 32, _ademamix_kwargs, aliases=("ademamix_32bit",), **_ADEMAMIX)
+# Trainer builds bnb.optim.AdEMAMix(optim_bits=32, is_paged=...) for both 32-bit names: that class keeps its two EMAs in
+# one (2, *shape) buffer and steps on CPU; bitsandbytes' AdEMAMix32bit / PagedAdEMAMix32bit allocate a single-EMA
+# buffer and fail on every shape (bitsandbytes 0.50), so they are not used.
+ADEMAMIX = _spec("ademamix", "AdEMAMix", 3, 0, 32, _ademamix_kwargs, aliases=("ademamix_32bit",),
+                 fixed={"optim_bits": 32, "is_paged": False}, **_ADEMAMIX)
 ADEMAMIX_8BIT = _spec("ademamix_8bit", "AdEMAMix8bit", 3, 2, 8, _ademamix_kwargs, **_ADEMAMIX)
-PAGED_ADEMAMIX_32BIT = _spec("paged_ademamix_32bit", "PagedAdEMAMix32bit", 3, 0, 32, _ademamix_kwargs, paged=True,
-                             **_ADEMAMIX)
+PAGED_ADEMAMIX_32BIT = _spec("paged_ademamix_32bit", "AdEMAMix", 3, 0, 32, _ademamix_kwargs, paged=True,
+                             fixed={"optim_bits": 32, "is_paged": True}, **_ADEMAMIX)
 PAGED_ADEMAMIX_8BIT = _spec("paged_ademamix_8bit", "PagedAdEMAMix8bit", 3, 2, 8, _ademamix_kwargs, paged=True,
                             **_ADEMAMIX)
 

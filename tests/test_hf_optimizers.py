@@ -32,9 +32,9 @@ HF_NAMES = (
     "schedule_free_radam schedule_free_adamw schedule_free_sgd apollo_adamw apollo_adamw_layerwise stable_adamw"
 ).split()
 HARDWARE = {"adamw_torch_xla": "xla", "adamw_torch_npu_fused": "npu"}
-# Kernels that need CUDA (galore-torch's 8-bit path, lomo-optim's AdaLomo state, bitsandbytes' 32-bit AdEMAMix on
-# matrices): tested on a GPU (benchmarks/gpu_check.py has their row), refused with the fix on CPU.
-CUDA_ONLY = {"adalomo", "galore_adamw_8bit", "galore_adamw_8bit_layerwise", "ademamix", "paged_ademamix_32bit"}
+# Kernels that need CUDA (galore-torch's 8-bit path, lomo-optim's AdaLomo state): tested on a GPU
+# (benchmarks/gpu_check.py has their row), refused with the fix on CPU.
+CUDA_ONLY = {"adalomo", "galore_adamw_8bit", "galore_adamw_8bit_layerwise"}
 # Run on the GPU when there is one (paging is real only on CUDA), with the CUDA-only ones.
 ON_GPU = CUDA_ONLY | ({n for n in HF_NAMES if n.startswith("paged")} if torch.cuda.is_available() else set())
 SLOW = {"adamw_torch_4bit", "adamw_torch_8bit"}  # torchao compiles its step: tens of seconds on CPU
@@ -322,7 +322,7 @@ def test_low_rank_without_target_modules_names_the_fix(tmp_path, name):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for CPU runs")
-@pytest.mark.parametrize("name", ["adalomo", "galore_adamw_8bit", "ademamix"])
+@pytest.mark.parametrize("name", ["adalomo", "galore_adamw_8bit"])
 def test_gpu_only_optimizers_on_a_cpu_run_name_the_fix(name):
     kw = {"target_modules": "all-linear"} if name.startswith("galore") else {}
     with pytest.raises(ValueError, match="Fix") as err:
@@ -330,11 +330,34 @@ def test_gpu_only_optimizers_on_a_cpu_run_name_the_fix(name):
     assert "CUDA" in str(err.value) or "GPU" in str(err.value)
 
 
-def test_paged_ademamix_on_cpu_refuses_what_bitsandbytes_cannot_page():
-    pytest.importorskip("bitsandbytes")
+@pytest.mark.parametrize("name", ["paged_ademamix_8bit", "paged_ademamix_32bit"])
+def test_paged_ademamix_on_cpu_refuses_what_bitsandbytes_cannot_page(name):
+    bnb = pytest.importorskip("bitsandbytes")
     with pytest.raises(ValueError, match="cannot page its state on CPU.*Fix"):
-        create_optimizer("paged_ademamix_8bit", [nn.Parameter(torch.zeros(100_000))], lr=1e-3)
-    create_optimizer("paged_ademamix_8bit", [nn.Parameter(torch.zeros(99_999))], lr=1e-3)  # below: no paging
+        create_optimizer(name, [nn.Parameter(torch.zeros(100_000))], lr=1e-3)
+    # Trainer's own fails there too, with bitsandbytes' raw error.
+    big = nn.Parameter(torch.zeros(400, 300))
+    theirs = bnb.optim.AdEMAMix([big], optim_bits=8 if "8bit" in name else 32, is_paged=True)
+    big.grad = torch.ones_like(big)
+    with pytest.raises(RuntimeError):
+        theirs.step()
+    create_optimizer(name, [nn.Parameter(torch.zeros(99_999))], lr=1e-3)  # below: no paging
+
+
+@pytest.mark.parametrize("name", ["ademamix", "paged_ademamix_32bit"])
+def test_32bit_ademamix_is_the_class_trainer_builds_and_steps_on_cpu(tmp_path, name):
+    """Trainer builds bnb.optim.AdEMAMix(optim_bits=32); bitsandbytes' AdEMAMix32bit fails on CPU for every shape."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from transformers import Trainer
+
+    their_cls, their_kwargs = Trainer.get_optimizer_cls_and_kwargs(hf_args(tmp_path, optim=name), Tiny())
+    model = Tiny()
+    opt = create_optimizer(name, model, lr=1e-2)
+    assert type(opt) is their_cls is bnb.optim.AdEMAMix
+    assert (opt.args.optim_bits, opt.is_paged) == (their_kwargs["optim_bits"], their_kwargs["is_paged"])
+    before = [p.detach().clone() for p in model.parameters()]
+    _drive_plain_loop(model, opt, 1)
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # every shape stepped
 
 
 @pytest.mark.parametrize("options", [dict(accumulate=2), dict(max_grad_norm=1.0), dict(precision="fp16")],
