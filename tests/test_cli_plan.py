@@ -4,6 +4,7 @@ import dataclasses
 import json
 import re
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -412,3 +413,65 @@ def test_causal_lm_detection_needs_a_vocabulary_and_a_labels_argument():
     with torch.device("meta"):
         lm = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=321, n_embd=8, n_layer=1, n_head=2))
     assert causal_lm_vocab(lm) == 321
+
+
+# --- bad input through the real entry point: memwrap's own message, the option, the fix, exit 2, no traceback ----
+
+WIDE32 = """
+import torch
+def build():
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+def build_with_batches():
+    return build(), (lambda mb: torch.randn(mb, 31)), None
+"""
+
+
+@pytest.fixture
+def wide32(tmp_path, monkeypatch):
+    (tmp_path / "wide32_cli_model.py").write_text(WIDE32)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+BAD_INPUT = [  # argv, the words the message must hold: the option and the fix
+    (["--preset", "gpt2-tiny", "--batch", "4", "--micro-batches", "0"], ["--micro-batches 0", ">= 1", "e.g."]),
+    (["--preset", "gpt2-tiny", "--batch", "4", "--micro-batches", "2,-1"], ["--micro-batches", ">= 1"]),
+    (["wide32_cli_model:build", "--input-shape", "4,31"], ["--input-shape 4,31", "32", "Fix", "--input-shape 4,32"]),
+    (["wide32_cli_model:build_with_batches", "--batch", "4"], ["make_batch", "Fix"]),
+    (["no_such_module_xyz:build", "--input-shape", "4,32"], ["no_such_module_xyz", "Fix", ".py:build"]),
+    (["wide32_cli_model:no_such_function", "--input-shape", "4,32"], ["no_such_function", "Fix", "build"]),
+    (["missing_dir/model.py:build", "--input-shape", "4,32"], ["missing_dir/model.py", "Fix"]),
+    (["--preset", "gpt2-tiny", "--batch", "2", "--seq", "100000"], ["--seq 100000", "256", "Fix", "--seq 256"]),
+    (["--preset", "gpt2-tiny", "--batch", "2", "--seq", "0"], ["--seq 0", ">= 1"]),
+    (["memwrap.models:GPT", "--input-shape", "2,5000", "--input-dtype", "long"],
+     ["--input-shape 2,5000", "1024 positions", "Fix", "--input-shape 2,1024"]),
+]
+
+
+@pytest.mark.parametrize("argv,words", BAD_INPUT, ids=["micro-0", "micro-negative", "input-shape", "make-batch",
+                                                         "no-module", "no-function", "no-file", "seq-long", "seq-0",
+                                                         "factory-positions"])
+def test_bad_plan_input_exits_2_with_the_option_and_the_fix(wide32, argv, words, capsys):
+    from memwrap.cli import main
+
+    rc = main(["plan", *argv, "--budget", "1GiB", *FAST])
+    captured = capsys.readouterr()
+    assert rc == 2, captured
+    err = captured.err
+    assert err.startswith("memwrap plan: ") and "Traceback" not in err, err
+    for word in words:
+        assert word in err, (word, err)
+    assert "fake_tensor" not in err  # torch's own log of the failed fake kernel is not shown
+
+
+def test_bad_plan_input_from_the_console_script_exits_2_without_a_traceback(wide32):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    done = subprocess.run([sys.executable, "-m", "memwrap.cli", "plan", "wide32_cli_model:build", "--input-shape",
+                           "4,31", "--budget", "1GiB", *FAST], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "--input-shape 4,31" in done.stderr, done.stderr
+    assert done.stderr.strip().count("\n") <= 2, done.stderr  # the message alone, no log lines around it

@@ -110,7 +110,9 @@ def load_factory(target: str):
     where, _, name = target.rpartition(":")
     if where.endswith(".py") or os.sep in where:
         if not os.path.exists(where):
-            raise PlanInputError(f"file {where!r} does not exist.")
+            raise PlanInputError(f"model target: file {where!r} does not exist (looked in {os.getcwd()}). Fix: give "
+                                 f"the path of the file that defines {name!r}, relative to the current directory or "
+                                 f"absolute, e.g. 'path/to/model.py:{name}'.")
         spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(where))[0], where)
         module = importlib.util.module_from_spec(spec)
         sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
@@ -122,7 +124,13 @@ def load_factory(target: str):
         try:
             module = importlib.import_module(where)
         except ImportError as exc:
-            raise PlanInputError(f"cannot import {where!r}: {exc}") from None
+            missing = getattr(exc, "name", None)
+            if missing and (where == missing or where.startswith(missing + ".")):
+                fix = (f"Fix: run memwrap from the directory that holds {where.split('.')[0]!r} (or install it), or "
+                       f"name its file: 'path/to/{where.replace('.', '/')}.py:{name}'.")
+            else:  # the module exists; something it imports does not
+                fix = f"Fix: install what {where!r} imports ({missing or exc}), or import it lazily in the factory."
+            raise PlanInputError(f"model target: cannot import {where!r}: {exc}. {fix}") from None
         finally:
             sys.path.remove(cwd)
     try:
@@ -131,7 +139,9 @@ def load_factory(target: str):
         from memwrap.errors import closest_hint
 
         names = [n for n in dir(module) if not n.startswith("_")]
-        raise PlanInputError(f"{where!r} has no attribute {name!r}.{closest_hint(name, names)}") from None
+        factories = [n for n in names if callable(getattr(module, n)) and not isinstance(getattr(module, n), type(sys))]
+        raise PlanInputError(f"model target: {where!r} has no attribute {name!r}.{closest_hint(name, names)} Fix: name "
+                             f"a factory {where!r} defines, e.g. {', '.join(f'{where}:{n}' for n in factories[:3]) or '(none found: define one)'}.") from None
 
 
 def _world_sizes(text: str) -> list[int]:
@@ -144,6 +154,21 @@ def _world_sizes(text: str) -> list[int]:
 
 def _list(text: str | None) -> list[str] | None:
     return None if text is None else [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _micro_batches(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        sizes = [int(m) for m in _list(text)]
+    except ValueError:
+        raise PlanInputError(f"--micro-batches {text!r} must be comma-separated integers, e.g. --micro-batches "
+                             f"1,2,4.") from None
+    bad = [m for m in sizes if m < 1]
+    if bad or not sizes:
+        raise PlanInputError(f"--micro-batches {text} is not valid: each micro-batch size must be >= 1 (samples per "
+                             f"forward), e.g. --micro-batches 1,2,4, or leave the option out to try powers of two.")
+    return sizes
 
 
 def _checkpoints(text: str) -> list[Any]:
@@ -183,6 +208,7 @@ def _model_and_batches(args):
             raise PlanInputError(str(exc)) from None
         batch = 1 if args.batch is None else args.batch
         seq = args.seq
+        _check_preset_seq(args.preset, spec, seq)
         if spec.kind == "lm":
             # A causal LM preset computes its own loss from labels (as Hugging Face models do): the traced step is
             # the one training runs, and the chunked LM-head loss can be planned.
@@ -204,6 +230,7 @@ def _model_and_batches(args):
         if args.batch is None:
             raise PlanInputError("a factory that returns (model, make_batch, ...) needs --batch (samples per "
                                  "optimizer update).")
+        _preflight(module, make, loss, "the factory's make_batch")
         return module, make, args.batch, loss
     if not args.input_shape:
         raise PlanInputError("a factory model needs --input-shape, e.g. --input-shape 64,3,224,224 (or return "
@@ -220,6 +247,13 @@ def _model_and_batches(args):
         raise PlanInputError("--input-high bounds random token ids; it needs --input-dtype long.")
     batch = shape[0] if args.batch is None else args.batch
     rest = shape[1:]
+    positions = _positions(module)
+    if dtype == "long" and positions is not None and len(rest) == 1 and rest[0] > positions[0]:
+        raise PlanInputError(f"--input-shape {args.input_shape}: a sequence of {rest[0]} tokens is beyond the model's "
+                             f"{positions[0]} positions (config.{positions[1]}). Fix: --input-shape "
+                             f"{shape[0]},{positions[0]} or less, or build the model with more positions "
+                             f"(config.{positions[1]}).")
+    what = f"--input-shape {args.input_shape}"
     if dtype == "long":
         high = (lm or 32000) if args.input_high is None else args.input_high
         if lm and len(rest) == 1:
@@ -228,6 +262,7 @@ def _model_and_batches(args):
             def make(mb):
                 ids = torch.randint(0, high, (mb, *rest))
                 return {"input_ids": ids, "labels": ids}
+            _preflight(module, make, None, what, shape)
             if not args.quiet and args.json != "-":
                 print(f"memwrap plan: {type(module).__name__} is a causal language model: tracing "
                       f"model(input_ids=..., labels=input_ids) and its own cross-entropy loss", file=sys.stderr)
@@ -235,7 +270,92 @@ def _model_and_batches(args):
         make = lambda mb: torch.randint(0, high, (mb, *rest))  # noqa: E731
     else:
         make = lambda mb: torch.randn(mb, *rest)  # noqa: E731
+    _preflight(module, make, None, what, shape)
     return module, make, batch, None
+
+
+def _check_preset_seq(name: str, spec: Any, seq: int | None) -> None:
+    if seq is None:
+        return
+    what = "image side" if spec.kind == "image" else "sequence length"
+    if seq < 1:
+        raise PlanInputError(f"--seq {seq} is not valid: give the {what}, >= 1 (or leave --seq out for the preset's "
+                             f"{spec.default_seq_len}).")
+    if spec.kind != "image" and seq > spec.default_seq_len:
+        raise PlanInputError(f"--seq {seq} is beyond the {spec.default_seq_len} positions (the context length) of "
+                             f"preset {name!r}. Fix: --seq {spec.default_seq_len} or less, or a model factory with a longer "
+                             f"context (e.g. `memwrap plan my_model.py:build --input-shape BATCH,{seq}`).")
+
+
+def _positions(module: Any) -> tuple[int, str] | None:
+    """``(positions, config field)`` of a model with a learned position table: an ``nn.Embedding`` with as many rows
+    as its config's max_position_embeddings, n_positions or block_size. Else None: rotary positions (Llama) have no
+    table, and longer sequences run (fake tensors never index the table, so only this check sees the overflow)."""
+    from torch import nn
+
+    config = getattr(module, "config", None)
+    rows = {m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)}
+    for field in ("max_position_embeddings", "n_positions", "block_size"):
+        value = getattr(config, field, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value in rows:
+            return value, field
+    return None
+
+
+def _first_layer_hint(module: Any, shape: list[int]) -> tuple[str, list[int] | None]:
+    """``(what the model's first layer takes, an --input-shape it takes)`` for the refusal; ``("", None)`` when the
+    first layer is of a kind that says nothing about its input."""
+    from torch import nn
+
+    layer = next((m for m in module.modules() if next(m.parameters(recurse=False), None) is not None), None)
+    want = None
+    if isinstance(layer, nn.Linear):
+        want = (f"Its first layer ({type(layer).__name__}) takes {layer.in_features} features in the last dimension",
+                [*shape[:-1], layer.in_features])
+    elif isinstance(layer, nn.modules.conv._ConvNd):
+        want = (f"Its first layer ({type(layer).__name__}) takes {layer.in_channels} channels in dimension 1",
+                [shape[0], layer.in_channels, *shape[2:]] if len(shape) > 2 else None)
+    elif isinstance(layer, nn.Embedding):
+        want = (f"Its first layer (Embedding) takes token ids (--input-dtype long --input-high "
+                f"{layer.num_embeddings})", None)
+    return ("", None) if want is None else (f" {want[0]}.", want[1])
+
+
+def _preflight(module: Any, make_batch: Any, loss: Any, what: str, shape: list[int] | None = None) -> None:
+    """One forward of a micro-batch of 1 on fake tensors (a truncated copy: the first blocks only), so that a batch
+    the model cannot take is refused naming the option that made it, before any candidate is traced."""
+    import logging
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memwrap.memory.batch import split_batch
+    from memwrap.memory.trace import _to_fake, fake_model, find_stack
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    device = torch.device("cpu")
+    stack = find_stack(module)
+    # torch logs the traceback of a failing fake kernel at ERROR before raising it; the refusal below says it all.
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level, fake_log.level = fake_log.level, logging.CRITICAL
+    try:
+        fmodel = fake_model(module, mode, device, stack, min(2, stack.length) if stack is not None else None)
+        batch = _to_fake(make_batch(1), mode, device)
+        args, kwargs, targets = split_batch(batch)
+        with mode, torch.no_grad():
+            outputs = fmodel(*args, **kwargs)
+            if loss is not None:
+                loss(outputs, targets)
+    except Exception as exc:  # the model's own forward on the batch the options describe
+        hint, example = _first_layer_hint(module, shape) if shape else ("", None)
+        reason = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else repr(exc)
+        fix = (f"give the shape of one global batch as the model takes it (first number = batch)"
+               + (f", e.g. --input-shape {','.join(map(str, example))}" if example else "") if shape
+               else "return from make_batch(micro_batch_size) a micro-batch the model's forward takes")
+        raise PlanInputError(f"{what}: the model's forward fails on a micro-batch of 1 ({type(exc).__name__}: "
+                             f"{reason}).{hint} Fix: {fix}.") from None
+    finally:
+        fake_log.level = level
 
 
 def causal_lm_vocab(module: Any) -> int | None:
@@ -325,10 +445,7 @@ def run(args: argparse.Namespace) -> int:
         top = _top(args.top)
         keep = None if args.keep_optim.strip().lower() in ("any", "none") else args.keep_optim
         factory, make_batch, global_batch, loss = _model_and_batches(args)
-        try:
-            micro = [int(m) for m in _list(args.micro_batches)] if args.micro_batches else None
-        except ValueError:
-            raise PlanInputError(f"--micro-batches {args.micro_batches!r} must be comma-separated integers.") from None
+        micro = _micro_batches(args.micro_batches)
     except ValueError as exc:
         print(f"memwrap plan: {exc}", file=sys.stderr)
         return 2
