@@ -58,16 +58,12 @@ def user_set(raw: dict[str, Any]) -> set[str]:
 
 
 def optimizer_name(optimizer: torch.optim.Optimizer, opts: Any) -> str:
-    """The registry name that traces like the user's optimizer (its state is what the plan must count)."""
+    """The registry name that describes the user's optimizer (``opts.optim`` when set, else its class)."""
     from memwrap.registry import get_optimizer_spec
 
     if opts.optim is not None:
         return get_optimizer_spec(opts.optim).name
-    inner = getattr(optimizer, "optimizer", optimizer)
-    name = type(inner).__name__.lower()
-    for guess in (name, {"adam": "adamw"}.get(name)):
-        try:
-            return get_optimizer_spec(guess).name if guess else "adamw"
-        except ValueError:
-            continue
-    return "adamw"  # two fp32 states per parameter: the common, and a conservative, guess
+    from memwrap.memory.search_space import registry_name
+
+    # The name labels the plan; the plan traces the optimizer itself as built (memwrap.memory.search_space.AsBuilt).
+    return registry_name(getattr(optimizer, "optimizer", optimizer))

@@ -264,7 +264,8 @@ class BudgetPlanner:
                 the_plan = memwrap.plan(module, lambda _mb, micro=micro: micro, budget=f"{max(room, 1)}B",
                                         global_batch=m * count * ranks, micro_batches=[m], margin=self.margin,
                                         world_size=ranks, strategy=strategy,
-                                        max_grad_norm=self.opts.max_grad_norm, keep_optim=self.optim_name, **space)
+                                        max_grad_norm=self.opts.max_grad_norm, keep_optim=self._keep(module),
+                                        **space)
             except (RuntimeError, TypeError) as exc:
                 raise ValueError(
                     f"budget= could not trace one training step of the model on this batch ({type(exc).__name__}: "
@@ -301,6 +302,16 @@ class BudgetPlanner:
                 f"{format_bytes(need)} (peak {format_bytes(low.estimate.peak)} + rest of the batch {format_bytes(rest)}"
                 f" + margin {format_bytes(low.margin)}). Smallest budget that works: {format_bytes(need)} "
                 f"(budget='{-(-need // 2**20)}MiB'). What would help: " + "; ".join(hints) + ". Nothing was run.")
+
+    def _keep(self, module: torch.nn.Module) -> str:
+        """The optimizer in force, planned as it is built (its class, param groups and hyperparameters: the state a
+        real step creates), named by the registry name that describes it."""
+        from memwrap.memory.search_space import AsBuilt
+
+        inner = getattr(self.optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):  # planned ahead of a framework's loop: a name, no optimizer
+            return self._current_option("optim")  # (memwrap.budget_static; the framework builds it from that name)
+        return AsBuilt(inner, module, self._current_option("optim"))
 
     def _plan_module(self) -> torch.nn.Module:
         from memwrap.checkpointing import current_report, remove_checkpointing

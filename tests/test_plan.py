@@ -298,3 +298,21 @@ def test_a_failing_optimizer_plugin_is_skipped_and_named_not_fatal(register_opti
 def test_an_int_budget_without_unit_is_refused():
     with pytest.raises(ValueError, match="read as 24 bytes.*'24GiB'"):
         plan(factory, make_batch, budget=24, global_batch=2)
+
+
+def test_keep_optim_takes_your_optimizer_and_plans_it_as_built():
+    from memwrap.state_size import measure_state_bytes
+
+    model = factory()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    p = plan(model, make_batch, budget="4GiB", global_batch=2, micro_batches=(2,), precisions=("fp32",),
+             checkpoints=(None,), keep_optim=opt, step_in_backward=(False,), chunked_loss=(False,))
+    # A real step of that optimizer: its momentum buffers (the registry's "sgd" holds none).
+    x, y = make_batch(2)
+    lm_loss(model(x), y).backward()
+    opt.step()
+    assert p.keep_optim == "sgd" and p.best.optim == "sgd" and not p.best.changes
+    assert p.best.estimate.state["optimizer_state"] == measure_state_bytes(opt) > 0
+    assert "optim" not in p.best.options  # your optimizer goes to wrap() as it is, nothing converts it
+    with pytest.raises(TypeError, match="needs model= to be the module"):
+        plan(factory, make_batch, budget="4GiB", global_batch=2, keep_optim=opt)

@@ -101,6 +101,8 @@ class Trace:
 def _optimizer_factory(name: str | None):
     if name is None:
         return None
+    if callable(getattr(name, "build", None)):  # the user's own optimizer as built (memwrap.memory.search_space.AsBuilt)
+        return name.build
     from memwrap.registry import create_optimizer
 
     return lambda fm: create_optimizer(name, fm.parameters(), model=fm)

@@ -30,8 +30,8 @@ from memwrap.memory.margin import Margin
 from memwrap.memory.ranking import _approximates, rank
 # The search space (defaults learned from the registries, micro-batch sizes, the candidate grid); its names stay
 # importable from here.
-from memwrap.memory.search_space import (DEFAULT_CHECKPOINTS, DEFAULT_PRECISIONS, _checkpoint_spec, _expand,
-                                         _smaller_state, _updates_in_backward_refusals, _validate,
+from memwrap.memory.search_space import (DEFAULT_CHECKPOINTS, DEFAULT_PRECISIONS, AsBuilt, _checkpoint_spec,
+                                         _expand, _smaller_state, _updates_in_backward_refusals, _validate,
                                          default_checkpoints, default_optimizers)
 
 __all__ = ["Candidate", "Margin", "Plan", "plan", "rank", "DEFAULT_PRECISIONS", "DEFAULT_CHECKPOINTS",
@@ -66,7 +66,8 @@ class Candidate:
         if self.checkpoint is not None:
             out["checkpoint"] = self.checkpoint
         out.update(self.extra)
-        out["optim"] = self.optim
+        if not isinstance(self.optim, AsBuilt):  # your own optimizer is passed to wrap() as it is: no optim= to convert
+            out["optim"] = self.optim
         return out
 
     @property
@@ -252,7 +253,7 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
          global_batch: int, candidates: list[dict] | None = None, loss_fn: Callable | None = None,
          precisions: Iterable[str] | None = None, checkpoints: Iterable[Any] | None = None,
          optimizers: Iterable[str] | None = None, micro_batches: Iterable[int] | None = None,
-         margin: Any = None, max_grad_norm: float | None = None, keep_optim: str | None = "adamw",
+         margin: Any = None, max_grad_norm: float | None = None, keep_optim: Any = "adamw",
          progress: Callable[[int, int, str], Any] | None = None, world_size: Any = 1, strategy: Any = None,
          step_in_backward: Iterable[bool] | None = None, chunked_loss: Iterable[Any] | None = None,
          _cache: dict | None = None) -> Plan:
@@ -265,7 +266,10 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
     micro-batch sizes (powers of two dividing ``global_batch``, and ``global_batch``),
     ``precisions``, ``checkpoints`` (default: :func:`default_checkpoints`, plugin policies included) and
     ``optimizers`` (default: :func:`default_optimizers`, every installed registry optimizer).
-    ``keep_optim`` is the optimizer you train with (default ``"adamw"``): fitting candidates that keep it
+    ``keep_optim`` is the optimizer you train with (default ``"adamw"``; a registry name, or your optimizer itself,
+    planned as built: its class, param groups and hyperparameters, e.g. ``SGD(momentum=0.9)``'s momentum buffers,
+    which the registry's ``"sgd"`` does not hold; ``model`` must then be the module it optimizes): fitting
+    candidates that keep it
     rank before those that change the optimizer (the training maths), whatever their speed, and the
     verdict says when the best one changes it; None ranks every fitting candidate by speed alone. With the
     default ``optimizers`` and a ``keep_optim``, the search is staged: ``keep_optim`` alone first, and only
@@ -297,7 +301,7 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
         raise TypeError("make_batch must be a callable taking the micro-batch size and returning one micro-batch, "
                         "e.g. lambda mb: preset_batch('gpt2', mb, 1024).")
     margin_ = Margin.parse(margin)
-    keep = get_optimizer_spec(keep_optim).name if keep_optim is not None else None  # an alias names the same maths
+    keep = _keep_optim(keep_optim, model)
     from memwrap.memory.sharded_plan import layouts, plan_layouts, refused_specs
 
     shardings = layouts(world_size, strategy, global_batch, micro_batches)
@@ -335,6 +339,8 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
         raise ValueError("no candidate to evaluate: precisions, checkpoints and optimizers must not be empty.")
     for s in specs:
         s["optim"] = get_optimizer_spec(s["optim"]).name
+        if keep is not None and s["optim"] == keep:
+            s["optim"] = keep  # your optimizer as you built it (AsBuilt), not the registry's defaults
         s["checkpoint"] = _checkpoint_spec(s["checkpoint"])
     sibs, chunks, notes = technique_values(module, make_batch, min(s["micro_batch"] for s in specs), step_in_backward,
                                            chunked_loss, ranks)
@@ -433,6 +439,21 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
         raise ValueError(f"no candidate could be traced: {skipped[0][1] if skipped else 'empty grid'}")
     return Plan(rank(results, budget_bytes, margin_, keep_optim=keep), budget_bytes, global_batch, margin_,
                 time.perf_counter() - start, skipped, keep, _keep_note(keep, specs, results, floors))
+
+
+def _keep_optim(keep_optim: Any, model: Any) -> str | None:
+    """The optimizer the plan keeps: None, a registry name (an alias names the same maths), or your optimizer itself,
+    planned as built (:class:`memwrap.memory.search_space.AsBuilt`: class, param groups, hyperparameters)."""
+    from memwrap.registry import get_optimizer_spec
+
+    if keep_optim is None or isinstance(keep_optim, AsBuilt):
+        return keep_optim
+    if isinstance(keep_optim, str):
+        return get_optimizer_spec(keep_optim).name
+    if not isinstance(model, nn.Module):
+        raise TypeError("keep_optim=<your optimizer> needs model= to be the module it optimizes (its parameters are "
+                        "matched by name), not a factory. Fix: pass the module, or keep_optim='<registry name>'.")
+    return AsBuilt(keep_optim, model)
 
 
 def _keep_note(keep: str | None, specs: list[dict], results: list[Candidate], floors: dict) -> str:

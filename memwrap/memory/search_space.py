@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["DEFAULT_PRECISIONS", "DEFAULT_CHECKPOINTS", "default_optimizers", "default_checkpoints"]
+import torch
+
+__all__ = ["DEFAULT_PRECISIONS", "DEFAULT_CHECKPOINTS", "default_optimizers", "default_checkpoints", "AsBuilt"]
 
 DEFAULT_PRECISIONS = ("bf16", "fp32")
 # The built-in policy forms; default_checkpoints() adds the policies plugins register.
@@ -39,6 +41,72 @@ def _smaller_state(keep: str) -> tuple[str, ...]:
     rows = [r for r in optimizers() if r.available]
     own = next((r.state_bytes_per_param for r in rows if r.name == keep), float("inf"))
     return (keep,) + tuple(r.name for r in rows if r.name != keep and (r.state_bytes_per_param < own or r.paged))
+
+
+class AsBuilt(str):
+    """Your own optimizer, planned as you built it: its class, its param groups and every hyperparameter in them
+    (``SGD(momentum=0.9)`` holds a momentum buffer per parameter; the registry's ``"sgd"`` holds none).
+
+    It is the ``str`` of the registry name that describes the optimizer (what labels, ranks and capability flags
+    read), so it goes wherever the planner takes an optimizer name; the trace builds the optimizer with
+    :meth:`build` instead of the registry's factory and defaults. Parameters are matched by name, so a fake copy
+    of the model (or one with its block stack truncated) gets the same groups.
+
+    Example:
+        >>> net = torch.nn.Linear(4, 4)
+        >>> keep = AsBuilt(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), net)
+        >>> keep, type(keep.build(net)).__name__, keep.build(net).param_groups[0]["momentum"]
+        ('sgd', 'SGD', 0.9)
+    """
+
+    def __new__(cls, optimizer: Any, module: Any, name: str | None = None) -> "AsBuilt":
+        inner = optimizer
+        while not isinstance(inner, torch.optim.Optimizer) and isinstance(getattr(inner, "optimizer", None),
+                                                                          torch.optim.Optimizer):
+            inner = inner.optimizer  # memwrap's, Accelerate's or Lightning's wrapper around the real optimizer
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise TypeError(f"keep_optim must be a registry name or a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}.")
+        self = str.__new__(cls, name if name is not None else registry_name(inner))
+        names = {id(p): n for n, p in module.named_parameters()}
+        # A tensor the optimizer holds outside the model has no fake copy in the trace: the groups name model
+        # parameters only (the trace counts the model's memory).
+        self.groups = [([names[id(p)] for p in g["params"] if id(p) in names],
+                        {k: v for k, v in g.items() if k != "params"}) for g in inner.param_groups]
+        self.cls, self.defaults = type(inner), dict(inner.defaults)
+        return self
+
+    def build(self, model: Any) -> Any:
+        """The optimizer of this class with these groups, over ``model``'s parameters of the same names."""
+        by_name = dict(model.named_parameters())
+        groups = [{"params": [by_name[n] for n in names if n in by_name], **hyper} for names, hyper in self.groups]
+        groups = [g for g in groups if g["params"]] or [{"params": [], **self.groups[0][1]}]
+        try:
+            return self.cls(groups, **self.defaults)
+        except TypeError:  # a class whose defaults hold keys its constructor does not take: the groups carry them
+            return self.cls(groups)
+
+    def __reduce__(self):  # pickled/copied as its name (a plan's JSON and copies keep the label)
+        return (str, (str(self),))
+
+
+def registry_name(optimizer: Any) -> str:
+    """The registry name that describes ``optimizer`` (its class name, ``Adam`` as ``adamw``), else ``"adamw"``.
+
+    Example:
+        >>> registry_name(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+        'sgd'
+    """
+    from memwrap.registry import get_optimizer_spec
+
+    name = type(optimizer).__name__.lower()
+    for guess in (name, {"adam": "adamw"}.get(name)):
+        if guess:
+            try:
+                return get_optimizer_spec(guess).name
+            except ValueError:
+                continue
+    return "adamw"  # two fp32 states per parameter: the common, and a conservative, guess
 
 
 def default_checkpoints() -> tuple[Any, ...]:
