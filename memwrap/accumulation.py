@@ -38,6 +38,9 @@ class AccumulationGate:
         self.ticks = 0  # micro-batches counted since construction (not saved): lets the loader see steps happen
         # budget=: each batch's cut sets accumulate (memwrap.budget_plan), so a saved value is not a setting to match.
         self.varies = False
+        # A weak reference to a callable run when a backward pass reaches the wrapped model's outputs (step_in_backward
+        # checks there that no second backward follows its updates); held weakly so the gate keeps no optimizer alive.
+        self.backward_watch: Any = None
 
     @property
     def backward_seen(self) -> bool:
@@ -49,6 +52,14 @@ class AccumulationGate:
         self._backward_seen = value
         if value:  # a backward pass started: a new micro-batch is under way
             self._finished_closed = None
+            watch = self.backward_watch() if self.backward_watch is not None else None
+            if watch is not None:
+                watch()
+
+    @property
+    def watches_backward(self) -> bool:
+        """Whether the wrapped model's outputs need a gradient hook even at weight 1 (to see each backward start)."""
+        return self.accumulate > 1 or (self.backward_watch is not None and self.backward_watch() is not None)
 
     @property
     def window_size(self) -> int:

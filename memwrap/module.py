@@ -146,8 +146,8 @@ class WrappedModule(nn.Module):
     def _finish(self, outputs: Any, training: bool) -> Any:
         factor = self._grad_factor() if training else None
         # With accumulation a hook goes on even at weight 1 (a one-batch last window): it also tells
-        # optimizer.step() that this micro-batch had its backward.
-        needs_hook = factor is not None or (training and self._gate.accumulate > 1)
+        # optimizer.step() that this micro-batch had its backward (and step_in_backward that a backward starts).
+        needs_hook = factor is not None or (training and self._gate.watches_backward)
         hook = _GradScale(factor, self._hooks_bypassed, self._gate, zero=self._gate.weight() == 0) if needs_hook else None
         found = []
 
@@ -158,7 +158,8 @@ class WrappedModule(nn.Module):
         outputs = map_outputs(outputs, finish)
         # Only when no tensor was found at all: tensors that do not require grad (a frozen model run in
         # grad mode) are a plain forward, not an output memwrap failed to see into.
-        return outputs, bool(needs_hook and not found and outputs is not None)
+        weighs = factor is not None or (training and self._gate.accumulate > 1)  # not only watching (step_in_backward)
+        return outputs, bool(weighs and not found and outputs is not None)
 
     # The warnings are raised from forward() itself, so that stacklevel=5 points at the user's model(...) call.
     def _warn_opaque(self, outputs: Any) -> None:

@@ -20,7 +20,7 @@ from memwrap.lr_schedule import WrappedScheduler  # re-exported: it belongs with
 from memwrap.state_checks import check_optimizer_state, class_name
 from memwrap.window_loss import WindowLoss
 
-__all__ = ["WrappedOptimizer", "WrappedScheduler", "check_params_in_model"]
+__all__ = ["WrappedOptimizer", "WrappedScheduler", "check_params_in_model", "check_sparse_clipping"]
 
 
 def check_params_in_model(model: torch.nn.Module, params: list[torch.Tensor]) -> None:
@@ -82,6 +82,63 @@ def _outer_accumulation(frame: Any, depth: int = 12) -> int:
     return found
 
 
+def _no_values(t: torch.Tensor) -> bool:
+    """Whether ``t`` has no data to read on the host: a fake tensor (the planner's trace) or one on ``meta``."""
+    return t.is_meta or is_fake(t)
+
+
+def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all gradients, as torch's ``get_total_norm``, sparse gradients included.
+
+    ``foreach`` is left to torch: its fused kernels where the device has them (CPU, CUDA), the per-tensor norm
+    elsewhere (``meta``), which ``foreach=True`` would refuse. torch has no norm for sparse tensors: theirs is the
+    norm of their coalesced values.
+    """
+    sparse = [g for g in grads if g.is_sparse]
+    if not sparse:
+        return torch.nn.utils.get_total_norm(grads)
+    dense = [g for g in grads if not g.is_sparse]
+    device = grads[0].device
+    norms = [torch.linalg.vector_norm(g.coalesce()._values()).to(device) for g in sparse]
+    if dense:
+        norms.append(torch.nn.utils.get_total_norm(dense).to(device))
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def check_sparse_clipping(model: torch.nn.Module | None, max_grad_norm: float | None) -> None:
+    """Refuse clipping a model whose modules make sparse gradients (``nn.Embedding(sparse=True)``, ``EmbeddingBag``).
+
+    torch's ``clip_grad_norm_`` has no sparse kernel, so the plain loop fails at its first clip; ``wrap()`` says so
+    before anything changes. A sparse gradient from elsewhere is refused at the step that meets it.
+
+    Example:
+        >>> check_sparse_clipping(torch.nn.Embedding(4, 2, sparse=True), 1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: max_grad_norm=1.0 with sparse gradients (Embedding(4, 2, sparse=True)): ...
+    """
+    if model is None or max_grad_norm is None:
+        return
+    sparse = next((m for m in model.modules() if getattr(m, "sparse", False) is True
+                   and isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))), None)
+    if sparse is not None:
+        raise ValueError(_sparse_clipping_message(max_grad_norm, repr(sparse)))
+
+
+def _refuse_sparse_clipping(params: list[torch.Tensor], max_grad_norm: float) -> None:
+    sparse = next((p for p in params if p.grad.is_sparse), None)
+    if sparse is not None:
+        raise ValueError(_sparse_clipping_message(max_grad_norm, f"a parameter of shape {tuple(sparse.shape)}")
+                         + " This window's update was not applied.")
+
+
+def _sparse_clipping_message(max_grad_norm: float, what: str) -> str:
+    return (f"max_grad_norm={max_grad_norm} with sparse gradients ({what}): torch's clip_grad_norm_ has no kernel for "
+            "sparse tensors, so clipping by global norm cannot run (a plain torch loop fails the same way). Fix: drop "
+            "max_grad_norm (memwrap trains sparse gradients without clipping), or build the embedding with "
+            "sparse=False.")
+
+
 # Frames a warning must not point into: memwrap's own, and torch.optim's (an LR scheduler built on the
 # wrapped optimizer replaces its step() with a wrapper defined in torch/optim/lr_scheduler.py).
 _INTERNAL_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (sys.modules["memwrap"], torch.optim))
@@ -125,7 +182,8 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self.updates = 0
         self.skipped = 0
         self._consecutive_skips = 0  # skipped windows in a row (fp16 raises only at the scale floor)
-        self.last_grad_norm: float | None = None
+        # The last window's gradient norm as a device tensor: read (one sync) only when someone asks.
+        self._grad_norm: torch.Tensor | float | None = None
         self._window_lrs: list[float] | None = None
         self._lr_warned = False
         self._no_backward_warned = False
@@ -270,9 +328,12 @@ class WrappedOptimizer(torch.optim.Optimizer):
         if self.__dict__.get("step_in_backward") is not None:  # the parameters stepped inside backward
             return self.step_in_backward.finish_window()
         scaler = self.scaler
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if self.max_grad_norm is not None:  # before unscale_: a refused step leaves the scaler as it was
+            _refuse_sparse_clipping(params, self.max_grad_norm)
         if scaler.is_enabled():
             scaler.unscale_(self.optimizer)
-        finite = self._clip_and_check([p for g in self.param_groups for p in g["params"] if p.grad is not None])
+        finite = self._clip_and_check(params)
         used_scale = None if finite else (scaler.get_scale() if scaler.is_enabled() else 1.0)
         try:
             if finite:
@@ -302,20 +363,41 @@ class WrappedOptimizer(torch.optim.Optimizer):
             "rate, use precision='bf16' or 'fp32', or pass on_nonfinite='skip' to skip such updates."
         )
 
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last closed window's gradient norm (unscaled, before clipping); None before the first window.
+
+        Kept on the device until read: reading it is one host-device sync, and a run that never reads
+        it pays none. None also when the gradients carry no values (fake or meta tensors).
+
+        Example:
+            >>> import memwrap, torch
+            >>> net = torch.nn.Linear(2, 1, bias=False)
+            >>> model, opt = memwrap.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
+            >>> model(torch.tensor([[3.0, 4.0]])).sum().backward(); opt.step()
+            >>> opt.last_grad_norm
+            5.0
+        """
+        norm = self._grad_norm
+        if isinstance(norm, torch.Tensor):
+            norm = self._grad_norm = None if _no_values(norm) else float(norm)
+        return norm
+
     def _clip_and_check(self, params: list[torch.Tensor]) -> bool:
-        # One norm over the (unscaled) gradients serves both clipping and the non-finite check.
+        # One norm over the (unscaled) gradients serves clipping, the non-finite check and last_grad_norm; the
+        # check is this step's one host-device sync (the norm itself stays on the device until it is read).
         if not params:
-            self.last_grad_norm = 0.0
+            self._grad_norm = 0.0
             return True
-        if self.max_grad_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm, foreach=True)
+        if self.max_grad_norm is not None:  # no sparse gradient here (_update refused them)
+            norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        if is_fake(norm):
-            # The planner traces this very step on fake tensors, which carry no values to check.
-            self.last_grad_norm = None
+            norm = _total_norm([p.grad for p in params])
+        self._grad_norm = norm
+        if _no_values(norm):
+            # The planner traces this very step on fake tensors (parameters on meta likewise), which carry no values
+            # to check: only this 0-d read is skipped, the norm's memory is traced.
             return True
-        self.last_grad_norm = float(norm)
         return bool(torch.isfinite(norm))
 
     def _check_backward_seen(self) -> None:

@@ -36,10 +36,17 @@ built without ``gradient_release=True``; an optimizer from a library not known t
 state per parameter (:data:`PER_PARAMETER_FAMILIES`). A view whose step changes its group (a
 per-group counter) raises at once rather than count once per parameter.
 
+The parameters stepped are the optimizer's at each window: one made trainable after ``wrap()`` (a
+layer unfrozen, ``optimizer.add_param_group(...)``) gets its hook at the next window's end, and in
+the window where it first has a gradient ``step()`` steps it from ``.grad``, as the ordinary step would.
+
 A non-finite gradient cannot skip the whole update (earlier parameters have stepped by the time a
-later one is seen): that parameter alone is not updated, and ``step()`` warns naming how many were
-left out (or raises with ``on_nonfinite="raise"``). The finiteness check is one device sync per
-parameter.
+later one is seen), and deciding per parameter on the host would stall the backward once per
+parameter. The check stays on the device: each gradient's norm (a reduction, no temporary the size
+of the gradient) flags it, a non-finite gradient is replaced by zeros (the parameter stays finite;
+its momentum and weight decay still act, SGD without them leaves it unchanged), and ``step()`` reads
+all flags at once (the update's one host-device sync), then warns naming how many were non-finite
+(or raises with ``on_nonfinite="raise"``).
 
 Example:
     >>> model, optimizer = memwrap.wrap(model, torch.optim.AdamW(model.parameters()), step_in_backward=True)  # doctest: +SKIP
@@ -50,11 +57,13 @@ from __future__ import annotations
 
 import collections
 import warnings
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
+
+from memwrap.optimizer import _no_values, _total_norm
 
 __all__ = ["StepInBackward", "check_step_in_backward", "gradient_bytes_held", "PER_PARAMETER_FAMILIES"]
 
@@ -125,7 +134,10 @@ class StepInBackward:
     """Steps each parameter of ``wrapped``'s optimizer inside backward; see the module docstring.
 
     Attached by ``wrap()`` as ``optimizer.step_in_backward``; ``memwrap.unwrap(optimizer)`` removes
-    the hooks. ``partial_windows`` counts windows in which a non-finite gradient left a parameter out.
+    the hooks. ``partial_windows`` counts windows in which a parameter had a non-finite gradient.
+
+    The hooks on the parameters hold this object weakly: a parameter must not keep its optimizer
+    (and through it the model) alive, and once the wrapped optimizer is dropped the hooks go too.
 
     Example:
         >>> optimizer.step_in_backward.stepped_this_window  # doctest: +SKIP
@@ -139,32 +151,76 @@ class StepInBackward:
         self.partial_windows = 0
         self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         self._stepped: set[int] = set()
-        self._nonfinite: list[str] = []
+        self._flags: list[tuple[int, torch.Tensor]] = []  # (parameter id, gradient finite?) of this window, on device
+        self._task: int | None = None  # the backward pass (graph task) that stepped parameters in this window
         self._steppers: dict[int, Any] = {}
-        self._handles = []
-        optimi = _is_optimi(self.optimizer)
-        if optimi:
+        self._hooks: dict[int, Any] = {}  # parameter id -> handle of its post-accumulate hook
+        self._handles: list[Any] = []
+        self._optimi = _is_optimi(self.optimizer)
+        if self._optimi:
             self._handles.append(self.optimizer.register_state_dict_post_hook(_drop_group_links))
             for state in self.optimizer.state.values():  # linked again before each step (_OptimiStep)
                 state.pop("group", None)
-        elif hasattr(self.optimizer, "check_overrides"):
-            # bitsandbytes resolves per-module overrides (32-bit embedding state) at its first step; that step
-            # never runs on the whole optimizer here, so resolve them now, into its per-parameter table.
-            self.optimizer.check_overrides()
-        for index, group in enumerate(self.optimizer.param_groups):
-            for p in group["params"]:
-                if not p.requires_grad:
-                    continue
-                self._steppers[id(p)] = (_OptimiStep if optimi else _ViewStep)(self.optimizer, index, p)
-                self._handles.append(p.register_post_accumulate_grad_hook(self._on_gradient))
+        self._hook = _Hook(weakref.ref(self))
+        self.follow_param_groups()
+        # The wrapped model's output hooks call this at the start of each backward pass (see check_backward_start).
+        self.gate.backward_watch = weakref.WeakMethod(self.check_backward_start)
+        weakref.finalize(self, _remove_handles, self._handles, self._hooks)
 
     @property
     def stepped_this_window(self) -> int:
         return len(self._stepped)
 
-    def _on_gradient(self, param: torch.Tensor) -> None:
+    def follow_param_groups(self) -> None:
+        """Hook every parameter the optimizer holds that requires grad now (called at each window's end).
+
+        Parameters that became trainable after ``wrap()`` (a layer unfrozen, ``add_param_group``) get their
+        hook here; in the window where that happened their gradient is stepped by ``finish_window`` instead.
+        A parameter that left the optimizer is no longer stepped.
+        """
+        current = {id(p): (index, p) for index, group in enumerate(self.optimizer.param_groups) for p in group["params"]}
+        for pid in [pid for pid in self._steppers if pid not in current]:
+            del self._steppers[pid]
+            handle = self._hooks.pop(pid, None)
+            if handle is not None:
+                handle.remove()
+        added = False
+        for pid, (index, p) in current.items():
+            stepper = self._steppers.get(pid)
+            if stepper is None or stepper.index != index:
+                self._steppers[pid] = (_OptimiStep if self._optimi else _ViewStep)(self.optimizer, index, p)
+                added = True
+            if pid not in self._hooks and p.requires_grad:
+                self._hooks[pid] = p.register_post_accumulate_grad_hook(self._hook)
+        if added and not self._optimi and hasattr(self.optimizer, "check_overrides"):
+            # bitsandbytes resolves per-module overrides (32-bit embedding state) at its first step; that step
+            # never runs on the whole optimizer here, so resolve them now, into its per-parameter table.
+            self.optimizer.check_overrides()
+
+    def check_backward_start(self) -> None:
+        """Refuse a second backward pass in the window's last micro-batch once parameters stepped in an earlier one.
+
+        Called from the wrapped model's output hooks, which run before any node of the model's graph: memwrap's
+        message comes before torch's "modified by an inplace operation" (a saved weight changed by its step).
+        """
         if not self.gate.closes_window():
-            return  # an earlier micro-batch of the window: the gradient keeps accumulating
+            return
+        task = torch._C._current_graph_task_id()
+        if task < 0:  # not inside a backward pass (memwrap.backward marks the micro-batch before it starts one)
+            return
+        if self._stepped and task != self._task:
+            raise RuntimeError(
+                f"step_in_backward: a second backward pass through the wrapped model's outputs in the window's last "
+                f"micro-batch, after {len(self._stepped)} parameter(s) were updated inside the first: its gradients "
+                "would reach parameters that already changed (their update used only the first backward's gradient). "
+                "Fix: one backward per micro-batch (sum the losses first: (loss_a + loss_b).backward()), or "
+                "step_in_backward=False.")
+        if not self._stepped:
+            self._task = task
+
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        if not self.gate.closes_window() or id(param) not in self._steppers:
+            return  # an earlier micro-batch of the window (the gradient keeps accumulating), or not the optimizer's
         if id(param) in self._stepped:
             raise RuntimeError(
                 f"step_in_backward: parameter {self._name(param)} got a second gradient in the window's last "
@@ -177,34 +233,42 @@ class StepInBackward:
         grad = param.grad
         if grad is None:
             return
-        # The planner traces this step on fake tensors, which carry no values to check (as WrappedOptimizer does).
-        if not is_fake(grad) and not bool(torch.isfinite(grad).all()):
-            self._nonfinite.append(self._name(param))
-        else:
-            with torch.no_grad():
-                self._steppers[id(param)].step()
+        with torch.no_grad():
+            # Checked on the device, without waiting for it: a norm is a reduction (no temporary the size of the
+            # gradient), and a non-finite gradient is replaced by zeros so the parameter stays finite. finish_window
+            # reads all flags at once, the step's one host-device sync. The same ops run on the planner's fake
+            # tensors, so their memory is traced.
+            finite = torch.isfinite(_total_norm([grad]))
+            (grad._values() if grad.is_sparse else grad).masked_fill_(finite.logical_not(), 0)
+            self._flags.append((id(param), finite))
+            self._steppers[id(param)].step()
         param.grad = None  # freed: the point of stepping here
 
     def finish_window(self) -> float | None:
         """Called by ``optimizer.step()`` at the window's end: step what the hooks did not, report, reset.
 
         Returns None (the update was applied), like ``WrappedOptimizer._update``; raises
-        ``FloatingPointError`` with ``on_nonfinite="raise"`` when a parameter was left out.
+        ``FloatingPointError`` with ``on_nonfinite="raise"`` when a gradient was non-finite.
         """
+        self.follow_param_groups()
         for group in self.optimizer.param_groups:
             for p in group["params"]:
-                if p.grad is not None and id(p) in self._steppers:
-                    self._step(p)  # its gradient came from earlier micro-batches only
-        left_out, self._nonfinite = self._nonfinite, []
+                if p.grad is not None and id(p) not in self._stepped:
+                    self._step(p)  # its gradient came from earlier micro-batches only, or it had no hook yet
+        flags, self._flags = self._flags, []
         self._stepped.clear()
+        self._task = None
         # An LR scheduler built on the inner optimizer checks that its step() ran before the scheduler's; it did, one
         # parameter at a time, through views that torch's step counter does not see.
         self.optimizer._opt_called = True
+        left_out = _non_finite(flags)
         if left_out:
             self.partial_windows += 1
-            message = (f"step_in_backward: {len(left_out)} parameter(s) had non-finite gradients and were not updated "
-                       f"(e.g. {left_out[0]}); the others were, since they stepped inside backward before these "
-                       "gradients existed. Fix: look for inf/NaN in the loss or the data, or lower the learning rate.")
+            message = (f"step_in_backward: {len(left_out)} parameter(s) had non-finite gradients (e.g. "
+                       f"{self._names.get(left_out[0], 'of the optimizer')!r}) and were stepped with a zero gradient "
+                       "instead (their momentum and weight decay still acted); the others were updated inside "
+                       "backward before these gradients existed. Fix: look for inf/NaN in the loss or the data, or "
+                       "lower the learning rate.")
             if self.wrapped.on_nonfinite == "raise":
                 raise FloatingPointError(message)
             warnings.warn(message, RuntimeWarning, stacklevel=4)
@@ -212,12 +276,48 @@ class StepInBackward:
 
     def remove(self) -> None:
         """Remove the hooks: the optimizer steps the ordinary way again."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        _remove_handles(self._handles, self._hooks)
+        self._steppers.clear()
+        if self.gate.__dict__.get("backward_watch") is not None and self.gate.backward_watch() == self.check_backward_start:
+            self.gate.backward_watch = None
 
     def _name(self, param: torch.Tensor) -> str:
         return repr(self._names.get(id(param), f"of shape {tuple(param.shape)}"))
+
+
+class _Hook:
+    """The post-accumulate hook on each parameter: calls its StepInBackward, held weakly (see StepInBackward)."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: weakref.ref):
+        self.owner = owner
+
+    def __call__(self, param: torch.Tensor) -> None:
+        owner = self.owner()
+        if owner is not None:
+            owner._on_gradient(param)
+
+
+def _remove_handles(handles: list, hooks: dict) -> None:
+    for handle in [*handles, *hooks.values()]:
+        handle.remove()
+    handles.clear()
+    hooks.clear()
+
+
+def _non_finite(flags: list[tuple[int, torch.Tensor]]) -> list[int]:
+    """Ids of the parameters whose flag says non-finite: one host read per device (fake/meta flags have no values)."""
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for pid, flag in flags:
+        by_device.setdefault(flag.device, []).append((pid, flag))
+    bad = []
+    for items in by_device.values():
+        stacked = torch.stack([flag for _, flag in items])
+        if _no_values(stacked) or bool(stacked.all()):
+            continue
+        bad += [pid for (pid, _), ok in zip(items, stacked.tolist()) if not ok]  # only in a window that went wrong
+    return bad
 
 
 class _ViewStep:

@@ -20,7 +20,7 @@ from memwrap.accumulation import AccumulationGate, WrappedLoader
 from memwrap.distributed import item_reducer, sync_control
 from memwrap.loss_scale import configure_scaler
 from memwrap.module import WrappedModule
-from memwrap.optimizer import WrappedOptimizer, WrappedScheduler
+from memwrap.optimizer import WrappedOptimizer, WrappedScheduler, check_sparse_clipping
 from memwrap.wrap_checks import WrapPlan, check_wrap, checkpoint_target
 
 __all__ = ["wrap", "unwrap", "backward"]
@@ -51,6 +51,7 @@ def wrap(*objects: Any, **options: Any) -> Any:
         2
     """
     plan = check_wrap(objects, options)
+    check_sparse_clipping(plan.model, plan.opts.max_grad_norm)
     if plan.opts.budget is not None or options.get("margin") is not None or options.get("budget_may_change"):
         from memwrap.budget_plan import check_budget_options
 

@@ -453,3 +453,66 @@ def test_warning_one_shot_iterator_loader():
     model = net()
     with pytest.warns(UserWarning, match="one-shot iterator"):
         memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), (x for x in [torch.randn(2, 4)]), accumulate=2)
+
+
+class SparseBag(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(16, 4, sparse=True)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids)).squeeze(-1)
+
+
+@pytest.mark.parametrize("make_opt, accumulate", [
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), 1),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), 2),
+    (lambda ps: torch.optim.Adagrad(ps, lr=0.1), 1),
+], ids=["sgd", "sgd-accumulate-2", "adagrad"])
+def test_sparse_gradients_train_as_plain_torch_trains_them(make_opt, accumulate):
+    ids = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(1))  # repeated ids: uncoalesced grads
+    y = torch.randn(4, 6, generator=torch.Generator().manual_seed(2))
+    ref = SparseBag()
+    ref_opt = make_opt(ref.parameters())
+    for _ in range(3):  # plain torch, the big batch
+        torch.nn.functional.mse_loss(ref(ids), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    got = SparseBag()
+    m, o = memwrap.wrap(got, make_opt(got.parameters()), accumulate=accumulate)
+    norms = []
+    for _ in range(3):
+        for i, t in zip(ids.chunk(accumulate), y.chunk(accumulate)):
+            torch.nn.functional.mse_loss(m(i), t).backward()
+            if o.gate.closes_window():
+                norms.append(torch.nn.utils.get_total_norm([got.embed.weight.grad.to_dense(), got.head.weight.grad,
+                                                            got.head.bias.grad]).item())
+            o.step()
+            o.zero_grad()
+    assert o.updates == 3
+    for a, b in zip(ref.parameters(), got.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert o.last_grad_norm == pytest.approx(norms[-1], rel=1e-6)  # the coalesced gradient's norm
+
+
+def test_clipping_sparse_gradients_is_refused_at_wrap_and_changes_nothing():
+    model = SparseBag()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"max_grad_norm=1.0 with sparse gradients \(Embedding\(16, 4, sparse=True\)\)"
+                                         r".*no kernel for sparse.*Fix: drop max_grad_norm"):
+        memwrap.wrap(model, opt, max_grad_norm=1.0)
+    assert not isinstance(opt, WrappedOptimizer) and model.embed.weight.grad is None
+
+
+def test_parameters_on_meta_train_as_plain_torch():
+    # Plain torch runs forward, backward and step on meta tensors (shape checks, tracing); so must a neutral wrap().
+    for options in ({}, {"accumulate": 2}, {"max_grad_norm": 1.0}):
+        model = torch.nn.Linear(4, 2, device="meta")
+        m, o = memwrap.wrap(model, torch.optim.AdamW(model.parameters()), **options)
+        for _ in range(2 * options.get("accumulate", 1)):
+            m(torch.randn(3, 4, device="meta")).sum().backward()
+            o.step()
+            o.zero_grad()
+        assert o.updates == 2 and o.last_grad_norm is None and model.weight.is_meta
