@@ -316,3 +316,21 @@ def test_keep_optim_takes_your_optimizer_and_plans_it_as_built():
     assert "optim" not in p.best.options  # your optimizer goes to wrap() as it is, nothing converts it
     with pytest.raises(TypeError, match="needs model= to be the module"):
         plan(factory, make_batch, budget="4GiB", global_batch=2, keep_optim=opt)
+
+
+def test_a_single_value_means_that_value_and_bad_arguments_are_named():
+    one = dict(global_batch=2, micro_batches=2, precisions="fp32", checkpoints=None, optimizers="adamw")
+    p = plan(factory, make_batch, budget="4GiB", step_in_backward=False, chunked_loss=False,
+             **{**one, "checkpoints": "none"})
+    assert [(c.micro_batch, c.precision, c.checkpoint, c.optim, c.extra.get("step_in_backward", False))
+            for c in p.candidates] == [(2, "fp32", None, "adamw", False)]
+    with pytest.raises(TypeError, match=r"plan\(step_in_backward='no'\): give one value or a list of values, e\.g\."):
+        plan(factory, make_batch, budget="4GiB", step_in_backward="no", **one)
+    with pytest.raises(TypeError, match=r"plan\(chunked_loss=1.5\): give one value or a list"):
+        plan(factory, make_batch, budget="4GiB", chunked_loss=1.5, **one)
+    with pytest.raises(TypeError, match=r"plan\(micro_batches=\['2'\]\): '2' is a str, not a int"):
+        plan(factory, make_batch, budget="4GiB", **{**one, "micro_batches": ["2"]})
+    with pytest.raises(TypeError, match=r"plan\(loss_fn='mse'\) must be a callable"):
+        plan(factory, make_batch, budget="4GiB", loss_fn="mse", **one)
+    with pytest.raises(TypeError, match=r"plan\(max_grad_norm='1.0'\) must be a number"):
+        plan(factory, make_batch, budget="4GiB", max_grad_norm="1.0", **one)

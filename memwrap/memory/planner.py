@@ -32,7 +32,7 @@ from memwrap.memory.ranking import _approximates, rank
 # importable from here.
 from memwrap.memory.search_space import (DEFAULT_CHECKPOINTS, DEFAULT_PRECISIONS, AsBuilt, _checkpoint_spec,
                                          _expand, _smaller_state, _updates_in_backward_refusals, _validate,
-                                         default_checkpoints, default_optimizers)
+                                         default_checkpoints, default_optimizers, plan_values)
 
 __all__ = ["Candidate", "Margin", "Plan", "plan", "rank", "DEFAULT_PRECISIONS", "DEFAULT_CHECKPOINTS",
            "default_optimizers", "default_checkpoints"]
@@ -302,6 +302,20 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
                         "e.g. lambda mb: preset_batch('gpt2', mb, 1024).")
     margin_ = Margin.parse(margin)
     keep = _keep_optim(keep_optim, model)
+    step_in_backward = plan_values("step_in_backward", step_in_backward, single=(bool,), element=(bool,),
+                                   example=", e.g. step_in_backward=False or (False, True)")
+    chunked_loss = plan_values("chunked_loss", chunked_loss, single=(bool, int), element=(bool, int),
+                               example=", e.g. chunked_loss=False, (False, True) or a chunk size such as 1024")
+    precisions = plan_values("precisions", precisions, element=(str,), example=", e.g. precisions=('bf16', 'fp32')")
+    optimizers = plan_values("optimizers", optimizers, element=(str,), example=", e.g. optimizers=('adamw',)")
+    checkpoints = plan_values("checkpoints", checkpoints, example=", e.g. checkpoints=(None, 'full')")
+    micro_batches = plan_values("micro_batches", micro_batches, single=(int,), element=(int,),
+                                example=", e.g. micro_batches=(8, 4)")
+    for what, fn in (("loss_fn", loss_fn), ("progress", progress)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"plan({what}={fn!r}) must be a callable or None.")
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))):
+        raise TypeError(f"plan(max_grad_norm={max_grad_norm!r}) must be a number (the clipping norm) or None.")
     from memwrap.memory.sharded_plan import layouts, plan_layouts, refused_specs
 
     shardings = layouts(world_size, strategy, global_batch, micro_batches)

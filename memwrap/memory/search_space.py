@@ -155,6 +155,33 @@ def _expand(global_batch, candidates, micro_batches, precisions, checkpoints, op
             for o in optimizers]
 
 
+def plan_values(name: str, value: Any, *, single: tuple[type, ...] = (str,), element: tuple[type, ...] | None = None,
+                example: str = "") -> tuple | None:
+    """One of plan()'s search dimensions as a tuple of values: None stays None (the default), a single value (a
+    ``bool`` for ``step_in_backward``, a name for ``precisions``) means that one value, an iterable gives its values.
+    Anything else is refused naming the argument and the fix.
+
+    Example:
+        >>> plan_values("step_in_backward", False, single=(bool,), element=(bool,))
+        (False,)
+        >>> plan_values("precisions", "bf16")
+        ('bf16',)
+    """
+    if value is None:
+        return None
+    if isinstance(value, single):
+        values = (value,)
+    elif isinstance(value, Iterable) and not isinstance(value, (str, bytes, dict)):
+        values = tuple(value)
+    else:
+        raise TypeError(f"plan({name}={value!r}): give one value or a list of values{example}.")
+    bad = [v for v in values if element is not None and not isinstance(v, element)]
+    if bad:
+        raise TypeError(f"plan({name}={value!r}): {bad[0]!r} is a {type(bad[0]).__name__}, not a "
+                        f"{' or '.join(t.__name__ for t in element)}{example}.")
+    return values
+
+
 def _checkpoint_spec(value: Any) -> Any:
     # "none" is how the docs and the CLI name "no checkpointing"; wrap() itself only takes None/False.
     if isinstance(value, str) and value.lower() in ("none", "no", "off"):
