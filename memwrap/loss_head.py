@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["LossHeadSpec", "LossHeadError", "linear_cross_entropy", "default_chunk_size", "loss_heads",
-           "find_loss_head", "BoundLossHead", "IGNORE_INDEX"]
+           "find_loss_head", "head_problem", "BoundLossHead", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100  # Hugging Face's (and torch's) default
 MIN_CHUNK = 256  # tokens: smaller chunks cost more in per-chunk overhead than they save
@@ -58,6 +58,13 @@ class LossHeadSpec:
     :func:`linear_cross_entropy` with the chunk size bound) and no logits; for a call without
     labels it returns None and the model runs unchanged. ``description`` names the families.
 
+    ``head(model) -> nn.Module`` names the module the model's own forward calls as its LM head, whose
+    call the adapter replaces by ``loss(hidden, head.weight, ..., bias=head.bias)``. memwrap then checks,
+    at ``wrap()`` and at every labelled forward, that this call computes nothing else: a plain
+    ``nn.Linear`` (or a subclass that keeps its ``forward``) with no hooks (see :func:`head_problem`);
+    any other head is refused, since the adapter would skip what it does. An adapter without ``head``
+    vouches itself that it reproduces the head exactly.
+
     Example:
         >>> spec = LossHeadSpec("mine", matches=lambda m: False, forward=lambda m, a, k, loss: None)
         >>> spec.name
@@ -68,6 +75,7 @@ class LossHeadSpec:
     matches: Callable[[nn.Module], bool]
     forward: Callable[[nn.Module, tuple, dict, Callable[..., torch.Tensor]], Any]
     description: str = ""
+    head: Callable[[nn.Module], nn.Module | None] | None = None
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -270,22 +278,133 @@ def _refuse_root_wrappers(model: nn.Module) -> None:
         why = "FSDP2's root forward gathers the root's parameters"
     elif model._forward_hooks or model._forward_pre_hooks:
         why = f"{name} has forward hooks on its root module ({len(model._forward_hooks) + len(model._forward_pre_hooks)})"
+    elif model.__dict__.get("_compiled_call_impl") is not None:
+        why = (f"{name}.compile() (in place) compiles only {name}(...) calls, so the body would run uncompiled; "
+               "torch.compile(model) before wrap(), which memwrap looks through, or compiling after wrap() keeps it "
+               "compiled")
     else:
         return
     raise LossHeadError(
         f"chunked_loss on {name}: the chunked loss runs the model's body and head itself, not {name}(...), and "
-        f"{why}, which would then be skipped. Fix: drop chunked_loss= for this model (or remove the root hooks); "
-        "see docs/chunked_loss.md.")
+        f"{why}, which would then be skipped. Fix: drop chunked_loss= for this model (or remove the root hooks; for "
+        "torch.compile: compile after wrap(), see docs/compile.md); see docs/chunked_loss.md.")
+
+
+def _compiled_inner(model: nn.Module) -> tuple[nn.Module, Any]:
+    """``(module, dynamo context)`` behind ``torch.compile(model)`` (an ``OptimizedModule``), else ``(model, None)``.
+
+    The adapter runs on the original module under the user's own compile context (backend, mode and options
+    as given to ``torch.compile``), the same code ``torch.compile(memwrap.wrap(...))`` would compile.
+    """
+    inner = getattr(model, "_orig_mod", None)
+    ctx = getattr(model, "dynamo_ctx", None)
+    if isinstance(inner, nn.Module) and callable(ctx):
+        return inner, ctx
+    return model, None
+
+
+# Observers that register *global* module hooks only to learn which module is running (torch's MemTracker, which
+# the planner's fake-tensor trace uses, and FlopCounterMode's tracker): skipping lm_head's call changes no value,
+# only moves the head's memory and FLOPs to its parent module in their per-module tables.
+def _observer_types() -> tuple[type, ...]:
+    types: list[type] = []
+    try:
+        from torch.distributed._tools.mod_tracker import ModTracker
+        types.append(ModTracker)
+    except ImportError:  # a torch built without distributed
+        pass
+    from torch.utils.module_tracker import ModuleTracker
+    types.append(ModuleTracker)
+    return tuple(types)
+
+
+def _foreign_hooks(hooks: dict) -> int:
+    observers = _observer_types()
+    return sum(not isinstance(getattr(h, "__self__", None), observers) for h in hooks.values())
+
+
+def head_problem(head: Any) -> str | None:
+    """What the chunked loss would skip by not calling ``head`` (the LM head), or None when nothing.
+
+    The chunked loss computes ``F.linear(hidden, head.weight, head.bias)`` in place of ``head(hidden)``: exact
+    only for an ``nn.Linear`` (or a subclass) whose call is ``nn.Linear``'s, with no forward/backward hooks
+    on it, no global module hooks (``torch.nn.modules.module.register_module_forward_hook``; torch's module
+    trackers, which only observe, excepted) and no ``forward`` replaced on the instance (accelerate's hooks).
+    Cheap (attribute reads): run at ``wrap()`` and at every labelled forward.
+
+    Example:
+        >>> head_problem(nn.Linear(4, 8)) is None
+        True
+        >>> _ = (h := nn.Linear(4, 8)).register_forward_hook(lambda m, i, o: o * 0.5)
+        >>> head_problem(h)
+        'it has 1 forward hook(s) on it'
+    """
+    if not isinstance(head, nn.Linear):
+        return f"it is {type(head).__name__ if head is not None else 'None'}, not an nn.Linear"
+    cls = type(head)
+    overridden = [attr for attr in ("forward", "__call__", "_call_impl", "_wrapped_call_impl")
+                  if getattr(cls, attr) is not getattr(nn.Linear, attr)]
+    if overridden:
+        return f"its class {cls.__module__}.{cls.__qualname__} overrides nn.Linear.{overridden[0]}"
+    if "forward" in head.__dict__ or "__call__" in head.__dict__:
+        return "its forward was replaced on the instance (e.g. by accelerate's device hooks)"
+    from torch.nn.modules import module as m
+
+    for what, own, everywhere in (
+            ("forward hook(s)", (head._forward_hooks,), (m._global_forward_hooks,)),
+            ("forward pre-hook(s)", (head._forward_pre_hooks,), (m._global_forward_pre_hooks,)),
+            ("backward hook(s)", (head._backward_hooks, head._backward_pre_hooks),
+             (m._global_backward_hooks, m._global_backward_pre_hooks))):
+        count = sum(len(d) for d in own)
+        if count:
+            return f"it has {count} {what} on it"
+        count = sum(_foreign_hooks(d) for d in everywhere)
+        if count:
+            return f"{count} global module {what} (torch.nn.modules.module.register_module_*) would not see its call"
+    return None
+
+
+def _head_name(model: nn.Module, head: Any) -> str:
+    found = next((name for name, m in model.named_modules() if m is head), None)
+    return f"{type(model).__name__}.{found}" if found else f"{type(model).__name__}'s LM head"
+
+
+# Eager even inside a compiled model: TorchDynamo does not guard on module hooks (skip_nnmodule_hook_guards), so a
+# traced check would keep its first answer and miss a hook added later; it costs one graph break before the loss,
+# whose autograd.Function runs eagerly anyway.
+@torch.compiler.disable
+def _refuse_head(spec: LossHeadSpec, model: nn.Module, when: str) -> None:
+    if spec.head is None:
+        return
+    head = spec.head(model)
+    problem = head_problem(head)
+    if problem is not None:
+        _raise_head(model, head, problem, when)
+
+
+def _raise_head(model: nn.Module, head: Any, problem: str, when: str) -> None:
+    raise LossHeadError(
+        f"chunked_loss {when}: the LM head {_head_name(model, head)} ({type(head).__name__}) cannot be chunked "
+        f"exactly: {problem}. The chunked loss computes F.linear(hidden, head.weight, head.bias) in place of calling "
+        "the head, so whatever else the head does would be skipped (its loss and gradients would differ). Fix: "
+        "chunked_loss=False for this model (or remove the hook / use a plain nn.Linear head), or register a "
+        "loss-head plugin (memwrap_loss_heads) that reproduces this head; see docs/chunked_loss.md.")
 
 
 def find_loss_head(model: nn.Module) -> LossHeadSpec:
     """The one registered adapter that recognizes ``model``; raises :class:`LossHeadError` naming the fix.
+
+    ``torch.compile(model)`` (an ``OptimizedModule``) is looked through: the adapter is the original module's.
+    The adapter's LM head (``LossHeadSpec.head``) must be one the chunked loss reproduces exactly
+    (:func:`head_problem`).
 
     Example:
         >>> from memwrap.models import build_preset
         >>> find_loss_head(build_preset("gpt2-tiny")).name
         'zoo-lm'
     """
+    _refuse_root_wrappers(model)
+    model, _ = _compiled_inner(model)
     _refuse_root_wrappers(model)
     heads = loss_heads()
     found = [(spec, origin) for spec, origin in heads if spec.matches(model)]
@@ -299,14 +418,19 @@ def find_loss_head(model: nn.Module) -> LossHeadSpec:
             f"chunked_loss: no loss-head adapter recognizes {type(model).__module__}.{type(model).__name__}, so "
             f"memwrap cannot tell its body from its LM head (adapters: {known}). Fix: drop chunked_loss= for this "
             "model, or add an adapter plugin implementing the memwrap_loss_heads hook (docs/chunked_loss.md).")
-    return found[0][0]
+    spec = found[0][0]
+    _refuse_head(spec, model, "at wrap()")
+    return spec
 
 
 class BoundLossHead:
     """One wrapped model's chunked loss: its adapter and chunk size; called instead of ``model(*args, **kwargs)``.
 
     A call with labels goes through the adapter; a call without labels runs the model unchanged (its
-    logits are wanted), with a one-time warning when it happens with gradients on (training).
+    logits are wanted), with a one-time warning when it happens with gradients on (training). Each
+    labelled call first checks the LM head again (:func:`head_problem`): a hook added after ``wrap()`` is
+    refused there. For ``torch.compile(model)`` the adapter runs on the original module under that
+    compile context.
 
     Example:
         >>> from memwrap.models import build_preset
@@ -322,12 +446,27 @@ class BoundLossHead:
         self.chunk_size = chunk_size
         self.calls = {"chunked": 0, "plain": 0}
         self._warned = False
+        self._compiled: tuple[Any, Callable] | None = None  # (dynamo context, self._run compiled under it)
 
     def loss(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         return linear_cross_entropy(hidden, weight, labels, chunk_size=self.chunk_size, **kwargs)
 
+    def _run(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
+        def loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, **kw: Any) -> torch.Tensor:
+            # Only a labelled call replaces the head; a hook added after wrap() is refused here, at that call.
+            _refuse_head(self.spec, model, "at this forward")
+            return self.loss(hidden, weight, labels, **kw)
+
+        return self.spec.forward(model, args, kwargs, loss)
+
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        out = self.spec.forward(module, args, kwargs, self.loss)
+        inner, ctx = _compiled_inner(module)
+        if ctx is None:
+            out = self._run(module, args, kwargs)
+        else:
+            if self._compiled is None or self._compiled[0] is not ctx:
+                self._compiled = (ctx, ctx(self._run))
+            out = self._compiled[1](inner, args, kwargs)
         if out is not None:
             self.calls["chunked"] += 1
             return out
@@ -335,7 +474,7 @@ class BoundLossHead:
         if torch.is_grad_enabled() and not self._warned:
             self._warned = True
             warnings.warn(
-                f"chunked_loss is on, but {type(module).__name__}(...) was called without labels, so it computed its "
+                f"chunked_loss is on, but {type(inner).__name__}(...) was called without labels, so it computed its "
                 "whole logits as usual (the chunked loss only replaces a loss the model computes from labels). Fix: "
                 "call model(input_ids, labels=labels) and use outputs.loss, or drop chunked_loss= if you compute "
                 "the loss from the logits yourself.", stacklevel=4)

@@ -24,8 +24,6 @@ import functools
 import inspect
 import sys
 
-from torch import nn
-
 from memwrap.loss_head import LossHeadSpec
 from memwrap.plugins import hookimpl
 
@@ -78,7 +76,12 @@ def _matches(model) -> bool:
     names = _causal_lm_class_names(model_type)
     if not any(cls.__name__ in names for cls in type(model).__mro__):
         return False
-    return isinstance(model.get_output_embeddings(), nn.Linear) and model.base_model is not model
+    # The head itself is checked by memwrap (LossHeadSpec.head): a head it cannot reproduce is refused by name.
+    return model.base_model is not model
+
+
+def _head(model):
+    return model.get_output_embeddings()
 
 
 @functools.lru_cache(maxsize=None)
@@ -134,4 +137,4 @@ def _forward(model, args, kwargs, loss):
 @hookimpl
 def memwrap_loss_heads():
     return [LossHeadSpec("hf-causal-lm", _matches, _forward,
-                         f"Hugging Face causal LMs of the families {', '.join(sorted(FAMILIES))}")]
+                         f"Hugging Face causal LMs of the families {', '.join(sorted(FAMILIES))}", head=_head)]

@@ -34,9 +34,11 @@ def _forward(model, args, kwargs, loss):
     if labels is None:
         return None
     hidden = model.hidden_states(ids)
-    return LMOutput(loss=loss(hidden, model.lm_head.weight, labels, shift=True, num_items=num_items), logits=None)
+    head = model.lm_head
+    return LMOutput(loss=loss(hidden, head.weight, labels, bias=head.bias, shift=True, num_items=num_items),
+                    logits=None)
 
 
 @hookimpl
 def memwrap_loss_heads():
-    return [LossHeadSpec("zoo-lm", _matches, _forward, "memwrap.models GPT and Llama")]
+    return [LossHeadSpec("zoo-lm", _matches, _forward, "memwrap.models GPT and Llama", head=lambda m: m.lm_head)]

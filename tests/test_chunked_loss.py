@@ -392,3 +392,106 @@ def test_hf_model_is_estimated_on_fake_tensors():
     plain = memwrap.estimate(net, batch)
     assert chunked.peak < plain.peak
     assert all(p.device.type == "cpu" and p.grad is None for p in net.parameters())  # the model was not touched
+
+
+# ----------------------------------------------------------------------------- the LM head must be reproducible
+
+class _ScaledHead(nn.Linear):
+    """An nn.Linear subclass with its own forward and an extra parameter: the chunked loss cannot reproduce it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+class _PlainSubclass(nn.Linear):
+    """A subclass that keeps nn.Linear's forward: exactly a Linear."""
+
+
+def _head_cases():
+    yield "forward hook", lambda head: head.register_forward_hook(lambda m, i, o: o * 0.5), "1 forward hook"
+    yield "forward pre-hook", lambda head: head.register_forward_pre_hook(lambda m, i: (i[0] * 2.0,)), "pre-hook"
+    yield "backward hook", lambda head: head.register_full_backward_hook(lambda m, gi, go: None), "backward hook"
+    yield "global hook", lambda head: nn.modules.module.register_module_forward_hook(lambda m, i, o: None), "global"
+
+
+def _heads_of(kind):
+    if kind == "hf":
+        net = _hf("llama")
+        return net, lambda: net.lm_head, "LlamaForCausalLM.lm_head"
+    net = _zoo(kind)
+    return net, lambda: net.lm_head, f"{type(net).__name__}.lm_head"
+
+
+@pytest.mark.parametrize("kind", ["hf", "llama"])
+@pytest.mark.parametrize("case", [c[0] for c in _head_cases()])
+def test_head_with_hooks_is_refused_at_wrap_naming_the_head(kind, case):
+    """A hook on lm_head changes the plain loss (o * 0.5: 4.5786 vs 4.5700); the chunked loss calls F.linear in
+    place of the head and would skip it: refused at wrap(), naming the head and the fix, and nothing changes."""
+    net, head, name = _heads_of(kind)
+    _, register, why = next(c for c in _head_cases() if c[0] == case)
+    handle = register(head())
+    try:
+        before = copy.deepcopy(net.state_dict())
+        with pytest.raises(LossHeadError, match=rf"LM head {name} .*{why}.*chunked_loss=False.*memwrap_loss_heads"):
+            memwrap.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), chunked_loss=True)
+        assert all(torch.equal(v, net.state_dict()[k]) for k, v in before.items())
+        assert not any(isinstance(m, memwrap.module.WrappedModule) for m in net.modules())
+    finally:
+        handle.remove()
+    memwrap.wrap(net, chunked_loss=True)  # without the hook: accepted
+
+
+@pytest.mark.parametrize("kind", ["hf", "gpt"])
+def test_head_subclass_with_its_own_forward_is_refused_plain_subclass_is_exact(kind):
+    net, head, name = _heads_of(kind)
+    old = head()
+    for cls, refused in ((_ScaledHead, True), (_PlainSubclass, False)):
+        new = cls(old.in_features, old.out_features, bias=False)
+        new.weight = old.weight  # keeps GPT's tie to the embedding
+        net.lm_head = new
+        if refused:
+            with pytest.raises(LossHeadError, match=rf"LM head {name} \(_ScaledHead\).*overrides nn.Linear.forward"):
+                memwrap.wrap(net, chunked_loss=True)
+            continue
+        ref = copy.deepcopy(net)
+        ids, labels = _ids(net.lm_head.out_features)
+        kw = dict(labels=labels)
+        call = (lambda m: m(input_ids=ids, **kw)) if kind == "hf" else (lambda m: m(ids, **kw))
+        _assert_same(net, ref, call(memwrap.wrap(net, chunked_loss=16)), call(ref))
+
+
+def test_head_bias_is_used_by_the_zoo_adapter():
+    """A zoo Llama whose head was given a bias: the chunked loss uses it (it once used the weight alone)."""
+    net = _zoo("llama")
+    head = nn.Linear(32, 300, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(net.lm_head.weight)
+        head.bias.normal_()
+    net.lm_head = head
+    ref = copy.deepcopy(net)
+    ids, labels = _ids(300)
+    _assert_same(net, ref, memwrap.wrap(net, chunked_loss=16)(ids, labels=labels), ref(ids, labels=labels))
+
+
+def test_head_hook_added_after_wrap_is_refused_at_the_next_labelled_forward():
+    net = _zoo("gpt")
+    model = memwrap.wrap(net, chunked_loss=16)
+    ids, labels = _ids(300)
+    model(ids, labels=labels).loss.backward()
+    handle = net.lm_head.register_forward_hook(lambda m, i, o: o * 0.5)
+    try:
+        with pytest.raises(LossHeadError, match="chunked_loss at this forward: the LM head GPT.lm_head .*forward hook"):
+            model(ids, labels=labels)
+        with torch.no_grad():  # without labels the model runs unchanged, hook included
+            assert torch.equal(model(ids), net(ids))
+        handle.remove()
+        handle = nn.modules.module.register_module_forward_pre_hook(lambda m, i: None)
+        with pytest.raises(LossHeadError, match="global module forward pre-hook"):
+            model(ids, labels=labels)
+    finally:
+        handle.remove()
+    assert model(ids, labels=labels).logits is None
