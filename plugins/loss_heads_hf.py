@@ -116,8 +116,13 @@ def _forward(model, args, kwargs, loss):
     if not (isinstance(keep, int) and keep == 0):
         raise ValueError(f"{type(model).__name__}(..., labels=..., logits_to_keep={keep!r}) with chunked_loss: the "
                          "loss needs every position's logits. Fix: drop logits_to_keep when passing labels.")
+    # return_dict is the causal LM's (transformers' can_return_tuple: the argument, else config.return_dict); the
+    # body is asked for its named fields, so that a tuple answer still carries the cache and hidden states.
+    return_dict = extra.pop("return_dict", arguments.pop("return_dict", None))
+    if return_dict is None:
+        return_dict = getattr(model.config, "return_dict", True)
     # As the model's own forward: the body gets every other argument, **kwargs included (num_items_in_batch too).
-    body_out = model.base_model(**arguments, **extra)
+    body_out = model.base_model(**arguments, **extra, return_dict=True)
     hidden = body_out[0] if isinstance(body_out, tuple) else body_out.last_hidden_state
     head = model.get_output_embeddings()
     shift_labels = extra.get("shift_labels")
@@ -131,7 +136,12 @@ def _forward(model, args, kwargs, loss):
     else:
         carried = {name: getattr(body_out, name) for name in fields if getattr(body_out, name, None) is not None}
     out = cls(loss=value, logits=None, **carried)
-    return out.to_tuple() if extra.get("return_dict") is False else out
+    if return_dict:
+        return out
+    # The model's tuple is its output's to_tuple() (the fields that are set, in order); logits keeps its place as
+    # None, so that `loss, logits, cache = model(..., return_dict=False)` unpacks as without chunked_loss.
+    return tuple(getattr(out, f.name) for f in dataclasses.fields(cls)
+                 if f.name == "logits" or getattr(out, f.name) is not None)
 
 
 @hookimpl

@@ -495,3 +495,29 @@ def test_head_hook_added_after_wrap_is_refused_at_the_next_labelled_forward():
     finally:
         handle.remove()
     assert model(ids, labels=labels).logits is None
+
+
+@pytest.mark.parametrize("options", [dict(), dict(output_hidden_states=True), dict(use_cache=False)],
+                         ids=["cache", "hidden_states", "no_cache"])
+def test_hf_return_dict_false_keeps_the_models_tuple(options):
+    """Once (loss,) alone: unpacking broke and the cache was lost. Now the model's own tuple, logits None in place."""
+    net = _hf("llama")
+    ref = copy.deepcopy(net)
+    ids, labels = _ids(256)
+    got = memwrap.wrap(net, chunked_loss=24)(input_ids=ids, labels=labels, return_dict=False, **options)
+    want = ref(input_ids=ids, labels=labels, return_dict=False, **options)
+    assert isinstance(got, tuple) and len(got) == len(want) and got[1] is None
+    assert [type(v) for v in got[2:]] == [type(v) for v in want[2:]]
+    assert rel_err(got[0], want[0]) < TOL
+    for g, w in zip(got[2:], want[2:]):
+        if isinstance(w, tuple):  # hidden states: one tensor per layer
+            assert all(torch.equal(a, b) for a, b in zip(g, w, strict=True))
+        else:  # the KV cache
+            assert g.get_seq_length() == w.get_seq_length() == ids.shape[1]
+            assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+                       for a, b in zip(g.layers, w.layers, strict=True))
+    loss, logits, *rest = got  # unpacks as the plain model's tuple
+    loss.backward()
+    want[0].backward()
+    for (name, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
+        assert rel_err(p.grad, q.grad) < TOL, name
