@@ -252,14 +252,44 @@ def apply_checkpointing(model: nn.Module, policy="auto", *, every: int = 1, mode
 _USE_CACHE_ATTR = "_memwrap_use_cache"
 
 
+def _cache_configs(model: nn.Module) -> list:
+    """Every distinct config object in ``model`` that turns a key/value cache on (``use_cache=True``).
+
+    A Hugging Face model does not keep one config: T5's and BART's decoders, Whisper's decoder, the language model
+    inside a vision-language model or inside a LightningModule each read the ``config`` of their own module, and
+    composite configs hold sub-configs (``text_config``, ``decoder``, ...). Each is looked at, once.
+    """
+    found, seen = [], set()
+
+    def visit(config, depth: int = 0) -> None:
+        if config is None or id(config) in seen or depth > 4 or isinstance(config, (str, bytes, int, float, dict)):
+            return
+        seen.add(id(config))
+        if getattr(config, "use_cache", None) is True:
+            found.append(config)
+        for value in getattr(config, "__dict__", {}).values():
+            if hasattr(value, "use_cache"):  # a sub-config (text_config, decoder, encoder, ...)
+                visit(value, depth + 1)
+
+    for module in model.modules():
+        visit(module.__dict__.get("config"))
+    return found
+
+
 def _disable_kv_cache(model: nn.Module) -> None:
-    # A Hugging Face model with config.use_cache builds a key/value cache in every training forward, and the
-    # recompute writes it again: memory for nothing. transformers' own gradient_checkpointing_enable turns it
-    # off (Trainer does too); memwrap does the same when it checkpoints, and remove_checkpointing restores it.
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", None) is True and _USE_CACHE_ATTR not in model.__dict__:
-        model.__dict__[_USE_CACHE_ATTR] = True
-        config.use_cache = False
+    # A Hugging Face model with use_cache builds a key/value cache in every training forward, and the recompute
+    # writes it again: memory for nothing, and a decoder that updates its cache in the recompute saves other tensors
+    # than in the forward (T5: CheckpointError 56 vs 52 saved tensors; a causal LM under selective checkpointing:
+    # "aten.slice.Tensor ... not found in storage"). transformers' gradient_checkpointing_enable turns the cache off
+    # (Trainer does too); memwrap does the same on every config the model holds, and remove_checkpointing restores
+    # exactly those it turned off.
+    if _USE_CACHE_ATTR in model.__dict__:
+        return
+    configs = _cache_configs(model)
+    if configs:
+        model.__dict__[_USE_CACHE_ATTR] = configs
+        for config in configs:
+            config.use_cache = False
 
 
 def remove_checkpointing(model: nn.Module) -> nn.Module:
@@ -271,6 +301,6 @@ def remove_checkpointing(model: nn.Module) -> nn.Module:
         if is_checkpointed(module):
             _uncheckpoint_module(module)
     model.__dict__.pop(_ROOT_ATTR, None)
-    if model.__dict__.pop(_USE_CACHE_ATTR, None):
-        model.config.use_cache = True
+    for config in model.__dict__.pop(_USE_CACHE_ATTR, None) or ():
+        config.use_cache = True
     return model

@@ -515,3 +515,52 @@ def test_checkpointing_turns_a_hugging_face_kv_cache_off_and_unwrap_restores_it(
     model.config.use_cache = False  # a user's own choice is left alone, and not "restored" to True
     memwrap.unwrap(memwrap.wrap(model, checkpoint="auto"))
     assert model.config.use_cache is False
+
+
+def _seq2seq(family):
+    """A tiny encoder-decoder model of ``family`` built from its config (no download) and one training batch."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    labels = torch.randint(3, 64, (2, 5), generator=g)
+    if family == "t5":
+        model = tf.T5ForConditionalGeneration(tf.T5Config(
+            vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2, dropout_rate=0.0,
+            decoder_start_token_id=0, pad_token_id=0))
+        return model, dict(input_ids=torch.randint(3, 64, (2, 6), generator=g), labels=labels)
+    if family == "bart":
+        model = tf.BartForConditionalGeneration(tf.BartConfig(
+            vocab_size=64, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32,
+            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0))
+        return model, dict(input_ids=torch.randint(3, 64, (2, 6), generator=g), labels=labels)
+    model = tf.WhisperForConditionalGeneration(tf.WhisperConfig(
+        vocab_size=64, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, num_mel_bins=8, max_source_positions=8,
+        max_target_positions=16, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0,
+        decoder_start_token_id=1, eos_token_id=2, bos_token_id=1, suppress_tokens=[], begin_suppress_tokens=[]))
+    return model, dict(input_features=torch.randn(2, 8, 16, generator=g), labels=labels)
+
+
+@pytest.mark.parametrize("family", ["t5", "bart", "whisper"])
+def test_encoder_decoder_models_checkpoint_with_every_decoder_cache_off(family):
+    # T5's decoder (BART's, Whisper's) reads its own config copy: turning off only the root's use_cache left the
+    # decoder building a key/value cache in the forward and again in the recompute (T5: CheckpointError, 56 vs 52
+    # saved tensors). Every config the model holds must be turned off, and unwrap() must restore each.
+    pytest.importorskip("transformers")
+    model, inputs = _seq2seq(family)
+    plain = copy.deepcopy(model)
+    plain(**inputs).loss.backward()
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+    before = {k: c.use_cache for k, c in configs.items()}
+    if family == "t5":  # BART and Whisper share one config today; T5's decoder keeps a copy with use_cache=True
+        assert sum(before.values()) >= 2, "T5 no longer keeps a decoder config of its own: the test is moot"
+    wrapped = memwrap.wrap(model, checkpoint="auto")
+    assert wrapped.checkpoint_report.modules, "nothing was checkpointed"
+    assert not any(c.use_cache for c in configs.values())
+    wrapped(**inputs).loss.backward()
+    ref = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
+    assert_same_grads(ref, {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    memwrap.unwrap(wrapped)
+    assert {k: c.use_cache for k, c in configs.items()} == before

@@ -247,3 +247,42 @@ def test_explicitly_fused_adamw_under_amp_with_clipping_says_how_to_fix():
     with pytest.raises(RuntimeError, match="fused=False"):
         fit(Regressor(fused=True), [MemwrapCallback(optim="adamw")], steps=1, precision="bf16-mixed",
             gradient_clip_val=0.5)
+
+
+class HFCausalLM(L.LightningModule):
+    """A Hugging Face causal LM inside a LightningModule, which has no ``.config`` of its own."""
+
+    def __init__(self):
+        super().__init__()
+        from tests.hf_helpers import tiny_llama
+
+        self.lm = tiny_llama(hidden=32)
+
+    def training_step(self, batch, batch_idx):
+        return self.lm(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("checkpoint", ["selective", "auto"])
+def test_hugging_face_lm_inside_a_lightning_module_checkpoints_with_its_cache_off(checkpoint):
+    # use_cache was turned off only on the checkpointed root, and a LightningModule has no config: the inner LM
+    # built its key/value cache in the forward and again in the recompute ("aten.slice.Tensor ... not found in
+    # storage" in the first backward under selective checkpointing).
+    pytest.importorskip("transformers")
+
+    def run(callbacks):
+        module = HFCausalLM()
+        trainer = L.Trainer(max_steps=2, accelerator="cpu", callbacks=callbacks, enable_progress_bar=False,
+                            logger=False, enable_model_summary=False, enable_checkpointing=False)
+        data = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(0))
+        trainer.fit(module, DataLoader(data, batch_size=2))
+        return module
+
+    plain = run([])
+    callback = MemwrapCallback(checkpoint=checkpoint)
+    module = run([callback])
+    assert callback.report.modules == ["lm.model.layers.0", "lm.model.layers.1"]
+    assert module.lm.config.use_cache is False  # while checkpointed
+    assert max_diff(module, plain) < 1e-6  # checkpointing changes memory, not the numbers
