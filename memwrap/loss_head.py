@@ -404,7 +404,13 @@ def find_loss_head(model: nn.Module) -> LossHeadSpec:
         'zoo-lm'
     """
     _refuse_root_wrappers(model)
-    model, _ = _compiled_inner(model)
+    model, ctx = _compiled_inner(model)
+    if ctx is not None and getattr(ctx, "fullgraph", False):
+        raise LossHeadError(
+            f"chunked_loss on torch.compile({type(model).__name__}, fullgraph=True): the chunked loss cannot be one "
+            "graph (its LM-head check and its autograd.Function, whose backward catches each chunk's logit gradient, "
+            "run eagerly), so the first forward would fail in TorchDynamo. Fix: torch.compile(model) without "
+            "fullgraph=True (the body still compiles), or chunked_loss=False; see docs/compile.md.")
     _refuse_root_wrappers(model)
     heads = loss_heads()
     found = [(spec, origin) for spec, origin in heads if spec.matches(model)]
