@@ -64,7 +64,7 @@ class Progress:
 
     def plan(self, done: int, total: int, label: str) -> None:
         """Callback for :func:`memwrap.plan` (``progress=``): called before and after each trace."""
-        if label.startswith("traced") and done < total:
+        if label.rpartition(": ")[2].startswith("traced ") and done < total:  # after any "stage ...: " prefix
             return  # the next "tracing ..." call reports the same count
         self._update(f"planning: {label}", done, total, 1)
 

@@ -475,3 +475,92 @@ def test_bad_plan_input_from_the_console_script_exits_2_without_a_traceback(wide
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr and "--input-shape 4,31" in done.stderr, done.stderr
     assert done.stderr.strip().count("\n") <= 2, done.stderr  # the message alone, no log lines around it
+
+
+# --- what the table shows: every number a decision needs, every abbreviation defined -----------------------------
+
+def _row(out, label):
+    return next(line for line in out.splitlines() if re.match(rf"^\s*\d+\s+{re.escape(label)}\s", line))
+
+
+def test_the_table_shows_paged_state_and_offloaded_activations_and_defines_every_abbreviation(capsys):
+    from memwrap.memory import report
+
+    rc = run_cli(["--preset", "llama-tiny", "--batch", "2", "--seq", "32", "--budget", "4GiB", "--margin-bytes", "0",
+                  "--precisions", "bf16-true", "--checkpoints", "offload", "--optimizers", "paged_adamw_8bit",
+                  "--micro-batches", "2", "--step-in-backward", "both", "--chunked-loss", "yes", "--keep-optim", "any",
+                  "--margin", "0.08", "--quiet"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    lines = out.splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("#"))
+    columns = re.split(r"\s{2,}", header.strip())
+    assert "opt paged/host" in columns and "act offloaded" in columns
+    unit = 2**20  # MiB: the tiny model's table unit
+    from memwrap.memory.planner import plan
+    from memwrap.models import get_preset, preset_batch
+
+    again = plan(get_preset("llama-tiny").factory, lambda mb: preset_batch("llama-tiny", mb, 32, labels=True),
+                 budget="4GiB", global_batch=2, precisions=["bf16-true"], checkpoints=["offload"],
+                 optimizers=["paged_adamw_8bit"], micro_batches=[2], step_in_backward=(False, True),
+                 chunked_loss=(True,), keep_optim=None, margin=(0.08, 0))
+    for c in again.candidates:  # the figures in the printed table are the estimate's own
+        cells = re.split(r"\s{2,}", _row(out, c.label).strip())
+        row = dict(zip(columns, cells))
+        assert c.estimate.breakdown["optimizer_state"] == 0 and c.estimate.paged_state > 0
+        assert row["opt state"] == "0.00"
+        assert row["opt paged/host"] == f"{c.estimate.paged_state / unit:.2f}" != "0.00"
+        assert row["act offloaded"] == f"{c.estimate.offloaded / unit:.2f}" != "0.00"
+    legend = lines[lines.index("legend:"):]
+    defined = {line.split()[0] for line in legend[1:] if line.startswith("  ")}
+    for c in again.candidates:  # every word of a label that is not an option value as wrap() spells it
+        for word in c.label.split()[2:]:
+            if word in ("bf16-true", "offload", "paged_adamw_8bit"):
+                continue
+            assert word in defined, (word, legend)
+    for column in ("params", "opt state", "temp+other", "+margin", "opt paged/host", "act offloaded", "cost"):
+        assert any(column in line for line in legend), column  # the columns whose name is not self-explaining
+    assert report.plan_legend(again) == legend[:len(report.plan_legend(again))]
+
+
+def test_progress_lines_name_what_each_trace_differs_in_and_its_stage():
+    """A staged search (AdamW first, then optimizers with less state): the counter restarts, and the label says
+    which stage; within a stage no two traces have the same label."""
+    import torch
+
+    from memwrap.memory.planner import plan
+
+    calls = []
+
+    def mlp():
+        return torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                   torch.nn.ReLU(), torch.nn.Linear(256, 4))
+
+    # 1.6 MiB: AdamW's 2 MiB of weights, gradients and state do not fit, so the second stage runs.
+    plan(mlp, lambda mb: (torch.randn(mb, 256), torch.randn(mb, 4)), budget="1600KiB", global_batch=4,
+         precisions=["fp32"], checkpoints=[None], micro_batches=[4], margin=(0, 0), keep_optim="adamw",
+         step_in_backward=(False, True), progress=lambda done, total, label: calls.append((done, total, label)),
+         loss_fn=torch.nn.functional.mse_loss)
+    tracing = [label for _, _, label in calls if "tracing" in label]
+    stages = [label.split(":")[0] for label in tracing]
+    assert stages[0].startswith("stage 1 (adamw only)") and stages[-1].startswith("stage 2 (nothing keeping adamw fits")
+    for stage in set(stages):
+        mine = [label for label in tracing if label.startswith(stage)]
+        assert len(mine) == len(set(mine)) == 2, mine  # with and without step in backward: two labels
+        assert sum("step in backward" in label for label in mine) == 1
+    restarts = [i for i, (done, _, _) in enumerate(calls) if done == 0]
+    assert len(restarts) == 2 and calls[restarts[1]][2].startswith("stage 2")
+
+
+def test_plain_progress_prints_one_line_per_trace_with_its_stage(capsys, monkeypatch):
+    from memwrap.memory.cli import _Progress
+
+    monkeypatch.setattr("sys.stderr.isatty", lambda: False, raising=False)
+    progress = _Progress(quiet=False)
+    for done, label in [(0, "stage 1 (adamw only): tracing micro-batch 4, fp32, no checkpointing (adamw)"),
+                        (1, "stage 1 (adamw only): traced 1/2"),
+                        (1, "stage 1 (adamw only): tracing micro-batch 4, fp32, no checkpointing, step in backward (adamw)"),
+                        (2, "stage 1 (adamw only): traced 2/2")]:
+        progress(done, 2, label)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 3 and "traced 1/2" not in "\n".join(err) and err[-1].endswith("traced 2/2")

@@ -332,7 +332,8 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
         # matter when none does: search them only then (38 installed optimizers would multiply the traces).
         kept = plan(model, make_batch, budget=budget, global_batch=global_batch, loss_fn=loss_fn, precisions=precisions,
                     checkpoints=checkpoints, optimizers=(keep,), micro_batches=micro_batches, margin=margin,
-                    max_grad_norm=max_grad_norm, keep_optim=keep, progress=progress, world_size=world_size,
+                    max_grad_norm=max_grad_norm, keep_optim=keep, progress=_stage(progress, f"stage 1 ({keep} only)"),
+                    world_size=world_size,
                     strategy=strategy, step_in_backward=step_in_backward, chunked_loss=chunked_loss, _cache=cache)
         if kept.best is not None and kept.best.fits and not kept.best.changes:
             kept.skipped.append(("(search space)", f"other optimizers not searched: a configuration keeping {keep} "
@@ -340,6 +341,8 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
             kept.seconds = time.perf_counter() - start
             return kept
         optimizers = _smaller_state(keep)
+        # The counter restarts for this second search: the label says so (and why it runs).
+        progress = _stage(progress, f"stage 2 (nothing keeping {keep} fits: optimizers with less state)")
     (ranks, strategy_), = shardings
     per_rank = global_batch // ranks  # the global batch is fixed: micro-batch x accumulate x world_size
     module = resolve_model(model)
@@ -407,7 +410,7 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
         reference = fake_runnable[0] if fake_runnable else None
         batch_fn = (lambda mb_=mb: make_batch(mb_))
         if progress is not None:
-            progress(done, total, f"tracing micro-batch {mb}, {key[1]}, {first['checkpoint'] or 'no checkpointing'}")
+            progress(done, total, _tracing_label(mb, key[1], first, [m["optim"] for m in members], ranks, strategy_))
         try:
             base = traces.get((key, reference))
             if base is None:
@@ -453,6 +456,25 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
         raise ValueError(f"no candidate could be traced: {skipped[0][1] if skipped else 'empty grid'}")
     return Plan(rank(results, budget_bytes, margin_, keep_optim=keep), budget_bytes, global_batch, margin_,
                 time.perf_counter() - start, skipped, keep, _keep_note(keep, specs, results, floors))
+
+
+def _stage(progress: Callable[[int, int, str], Any] | None, stage: str) -> Callable[[int, int, str], Any] | None:
+    """``progress`` with each label prefixed by the search stage it belongs to (each stage counts from 0)."""
+    if progress is None:
+        return None
+    return lambda done, total, label: progress(done, total, f"{stage}: {label}")
+
+
+def _tracing_label(mb: int, precision: str, spec: dict, optims: list[str], ranks: int, strategy: str | None) -> str:
+    """What one trace differs in: layout, micro-batch, precision, checkpointing, techniques, its optimizers."""
+    words = [f"micro-batch {mb}", precision, f"checkpoint {spec['checkpoint']}" if spec["checkpoint"] else
+             "no checkpointing"]
+    words += [w for w, on in (("step in backward", spec.get("step_in_backward")),
+                              ("chunked loss", spec.get("chunked_loss")),
+                              ("uncompensated", spec.get("compensation") == "none")) if on]
+    names = ", ".join(str(o) for o in optims[:3]) + (f" and {len(optims) - 3} more" if len(optims) > 3 else "")
+    layout = f"{strategy} x{ranks}, " if strategy else ""
+    return f"tracing {layout}{', '.join(words)} ({names})"
 
 
 def _keep_optim(keep_optim: Any, model: Any) -> str | None:

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["plan_rows", "plan_table", "print_plan", "plot_plan", "gib", "table_unit", "TABLE_COLUMNS"]
+__all__ = ["plan_rows", "plan_table", "plan_legend", "print_plan", "plot_plan", "gib", "table_unit", "TABLE_COLUMNS"]
 
+# Device memory at the peak by category, the peak and margin, then what the step keeps off the device (not in the
+# peak, but a decision needs it: paged optimizer state needs host RAM when it spills, offloaded activations do).
 TABLE_COLUMNS = ("#", "candidate", "params", "grads", "opt state", "activations", "temp+other", "peak GiB",
-                 "+margin", "fits", "cost")
+                 "+margin", "opt paged/host", "act offloaded", "fits", "cost")
+_FITS = TABLE_COLUMNS.index("fits")
 
 
 def gib(n: int | float) -> str:
@@ -33,7 +36,13 @@ def table_unit(plan: Any) -> tuple[str, int]:
     """
     from memwrap.memory.budget import unit_for
 
-    return unit_for(max((c.estimate.peak for c in plan.candidates), default=0))
+    return unit_for(max((max(c.estimate.peak, _off_device_state(c.estimate), getattr(c.estimate, "offloaded", 0))
+                         for c in plan.candidates), default=0))
+
+
+def _off_device_state(estimate: Any) -> int:
+    """Optimizer state kept off the device: paged (CUDA unified memory) plus host RAM."""
+    return getattr(estimate, "paged_state", 0) + getattr(estimate, "host_state", 0)
 
 
 def _in(plan: Any, n: int | float) -> str:
@@ -75,8 +84,54 @@ def plan_rows(plan: Any) -> list[list[str]]:
                      u(b["gradients"] + g("unsharded_gradients", 0) + g("gradient_buckets", 0)),
                      u(b["optimizer_state"]), u(b["activations"]),
                      u(b["temporaries"] + b["other"] + g("all_gather", 0) + g("reduce_scatter", 0)),
-                     u(c.estimate.peak), u(c.margin), "yes" if c.fits else "no", f"{c.cost:.2f}x"])
+                     u(c.estimate.peak), u(c.margin), u(_off_device_state(c.estimate)), u(c.estimate.offloaded),
+                     "yes" if c.fits else "no", f"{c.cost:.2f}x"])
     return rows
+
+
+# Each word a candidate's label can hold that is not an option value as wrap() spells it, with what it means.
+_LABEL_WORDS = (
+    (r"^(fsdp2|ddp)x\d+ ", "fsdp2xN / ddpxN", "sharded over N GPUs with FSDP2 / replicated with DDP (the figures are "
+                                              "one GPU's)"),
+    (r" no-ckpt ", "no-ckpt", "no activation checkpointing (checkpoint=None)"),
+    (r" \+sib\b", "+sib", "step_in_backward=True: each parameter's update runs in backward, its gradient freed at once"),
+    (r" \+chunked\d+", "+chunkedN", "chunked_loss=N: the LM-head loss computed in chunks of N tokens, the full logits "
+                                    "never held"),
+    (r" \+chunked(\s|$)", "+chunked", "chunked_loss=True: the LM-head loss computed in chunks, the full logits never "
+                                      "held"),
+    (r" uncompensated\b", "uncompensated", "compensation='none': bf16 weights updated without Kahan summation or an "
+                                           "fp32 copy (the update rounds to bf16)"),
+)
+
+
+def plan_legend(plan: Any, limit: int | None = None) -> list[str]:
+    """The lines that define every column and every abbreviation of the shown candidates' labels.
+
+    Example:
+        >>> from types import SimpleNamespace as NS
+        >>> plan_legend(NS(candidates=[NS(label="2x1 bf16 no-ckpt adamw +sib")]))[-1].split()[0]
+        '+sib'
+    """
+    import re
+
+    labels = [c.label for c in plan.candidates[:limit]]
+    words = [
+        ("candidate", "micro-batch x accumulation steps, precision, checkpoint policy, optimizer (as wrap() spells "
+                      "them), then the techniques below"),
+        ("params ... temp+other", "device memory by category at the predicted peak (params with buffers; opt state: "
+                                  "optimizer state in device memory)"),
+        ("+margin", "kept free beyond the peak (--margin, --margin-bytes)"),
+        ("opt paged/host", "optimizer state off the device, not in the peak: paged (CUDA unified memory, spills to "
+                           "host RAM, which must hold it) or in host RAM"),
+        ("act offloaded", "activations saved in host RAM (checkpoint='offload'), not in the peak"),
+        ("cost", "predicted step time relative to the fastest candidate"),
+    ]
+    for pattern, word, meaning in _LABEL_WORDS:
+        if any(re.search(pattern, label if pattern.startswith("^") else f" {label} ") for label in labels):
+            words.append((word, meaning))
+    width = max(len(w) for w, _ in words)
+    lines = ["legend:"] + [f"  {w:<{width}}  {meaning}" for w, meaning in words]
+    return lines
 
 
 def plan_table(plan: Any, limit: int | None = None) -> str:
@@ -92,6 +147,7 @@ def plan_table(plan: Any, limit: int | None = None) -> str:
     lines = [_header(plan), fmt.format(*columns), fmt.format(*("-" * w for w in widths))]
     lines += [fmt.format(*r) for r in rows]
     lines += _hidden_line(plan, limit)
+    lines += plan_legend(plan, limit)
     lines += _skipped_lines(plan)
     lines += ["", plan.verdict] + ([plan.sharding] if getattr(plan, "sharding", "") else []) + ["", plan.code()]
     return "\n".join(lines)
@@ -139,10 +195,10 @@ def print_plan(plan: Any, console: Any = None, limit: int | None = None) -> None
         # the candidate's name and its cost are read as wholes: never wrapped or cut on a narrow terminal
         table.add_column(col, justify="left" if i == 1 else "right", no_wrap=col in ("candidate", "cost"))
     for row in plan_rows(plan)[:limit]:
-        style = None if row[9] == "yes" else "dim"
+        style = None if row[_FITS] == "yes" else "dim"
         table.add_row(*row, style=style)
     console.print(table)
-    for line in _hidden_line(plan, limit):
+    for line in _hidden_line(plan, limit) + plan_legend(plan, limit):
         console.print(line, markup=False, highlight=False)
     for line in _skipped_lines(plan):
         console.print(line, markup=False)
