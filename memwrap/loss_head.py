@@ -319,6 +319,8 @@ def _observer_types() -> tuple[type, ...]:
 
 
 def _foreign_hooks(hooks: dict) -> int:
+    if not hooks:  # the usual case, at every labelled forward
+        return 0
     observers = _observer_types()
     return sum(not isinstance(getattr(h, "__self__", None), observers) for h in hooks.values())
 
