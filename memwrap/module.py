@@ -13,7 +13,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import inspect
+import types
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +30,54 @@ from memwrap.precision import Precision
 __all__ = ["WrappedModule", "map_outputs"]
 
 _OUTPUT_MARK = "memwrap_output"  # autograd-node metadata key of the wrapped model's output aliases
+# wrapper -> (inner forward function, forward copy with its signature); weak, and outside the wrapper's __dict__
+# so that pickling a wrapper never meets the copy (pickle finds functions by name, and this one has none of its own).
+_FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _InnerSignature:
+    """``WrappedModule.forward``: bound to a wrapper, it has the signature of the wrapped module's ``forward``.
+
+    Trainer reads ``inspect.signature(model.forward)`` to decide whether to pass ``num_items_in_batch`` (only to a
+    forward taking ``**kwargs``) and which batch columns to keep (``remove_unused_columns``); a bare
+    ``forward(*args, **kwargs)`` answered "any keyword" and "no column". Each wrapper gets a copy of the function
+    (same code) carrying the inner signature, made once per inner forward and bound as a real method, so
+    torch.compile and ``model.forward.__func__`` (accelerate) see an ordinary method. No ``__set__``: an instance
+    ``model.forward = ...`` (accelerate's output conversion) still wins, as it does over a plain function.
+    """
+
+    def __init__(self, func: Callable[..., Any]):
+        self.func = func
+        self.__doc__ = func.__doc__
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is None:  # the class attribute: the plain function (Trainer's find_labels reads this one)
+            return self.func
+        inner = instance.__dict__.get("_modules", {}).get("module")
+        if inner is None:  # inside nn.Module.__init__
+            return types.MethodType(self.func, instance)
+        inner_forward = inner.forward
+        key = getattr(inner_forward, "__func__", inner_forward)  # the function, not a new bound method each time
+        cached = _FORWARDS.get(instance)
+        if cached is None or cached[0] is not key:
+            cached = (key, _with_signature(self.func, inner_forward))
+            _FORWARDS[instance] = cached  # the value holds no reference to the wrapper: it is collected as before
+        return types.MethodType(cached[1], instance)
+
+
+def _with_signature(func: Callable[..., Any], inner_forward: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of ``func`` whose ``__signature__`` is ``inner_forward``'s, with ``self`` in front (bound away)."""
+    try:
+        inner = inspect.signature(inner_forward)
+    except (TypeError, ValueError):  # a builtin without a signature: keep *args, **kwargs
+        return func
+    copied = types.FunctionType(func.__code__, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
+    copied.__kwdefaults__, copied.__qualname__, copied.__doc__ = func.__kwdefaults__, func.__qualname__, func.__doc__
+    copied.__module__ = func.__module__
+    copied.__dict__.update(func.__dict__)
+    self_param = inspect.Parameter("_memwrap_self", inspect.Parameter.POSITIONAL_ONLY)  # never an inner name
+    copied.__signature__ = inner.replace(parameters=[self_param, *inner.parameters.values()])
+    return copied
 
 
 class WrappedModule(nn.Module):
@@ -66,6 +117,7 @@ class WrappedModule(nn.Module):
         self._register_state_dict_hook(_strip_prefix)
         self._register_load_state_dict_pre_hook(_add_prefix)
 
+    @_InnerSignature  # Trainer's inspect.signature(model.forward) sees the wrapped module's parameters
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Grad mode, not train/eval mode, decides: a model trained in eval mode (frozen BatchNorm or
         # dropout off) still needs its gradients weighted; an eval forward without backward never

@@ -211,3 +211,42 @@ def test_a_wrapped_pair_handed_to_trainer_with_its_own_accumulation_is_refused(t
                       train_dataset=[{"input_ids": x, "labels": x} for x in ids])
     with pytest.raises(ValueError, match="accumulate=2 and the trainer's gradient_accumulation_steps=2"):
         trainer.train()
+
+
+class NoKwargsLM(torch.nn.Module):
+    """A model whose forward names its inputs and takes no **kwargs (Trainer must not pass num_items_in_batch)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.head(torch.tanh(self.emb(input_ids)))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()) if labels is not None else None
+        return {"loss": loss, "logits": logits}
+
+
+@pytest.mark.parametrize("remove_unused_columns", [True, False])
+def test_trainer_sees_the_wrapped_models_own_signature(tmp_path, remove_unused_columns):
+    # WrappedModule.forward(*args, **kwargs) hid the inner signature: Trainer passed num_items_in_batch to a forward
+    # without **kwargs (TypeError), and remove_unused_columns=True (the default) kept no column but "labels".
+    import inspect
+
+    from transformers import Trainer
+
+    ids = torch.randint(0, 32, (8, 6), generator=torch.Generator().manual_seed(0))
+    extra = {"unused": 0} if remove_unused_columns else {}  # Trainer must drop it, and only it
+    data = [{"input_ids": x, "labels": x, **extra} for x in ids]
+
+    def train(model):
+        args = hf_args(tmp_path, max_steps=2, weight_decay=0.0, remove_unused_columns=remove_unused_columns)
+        Trainer(model=model, args=args, train_dataset=data).train()
+
+    wrapped = memwrap.wrap(NoKwargsLM(), checkpoint={"Linear"})
+    assert inspect.signature(wrapped.forward) == inspect.signature(wrapped.module.forward)
+    plain = NoKwargsLM()
+    train(plain)
+    train(wrapped)
+    for p, q in zip(plain.parameters(), wrapped.module.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=0, atol=0)
