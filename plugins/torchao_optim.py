@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from memwrap.plugins import hookimpl
+from memwrap.quiet import quiet_loggers
 from memwrap.registry import OptimizerSpec
 
 from ._common import adam_kwargs, import_backend, module_available, strtobool, typed_optim_args
@@ -24,7 +25,11 @@ MIN_QUANTIZED = 4096  # torchao follows bitsandbytes: smaller tensors keep full-
 
 def _factory(class_name: str):
     def factory(params, **hp) -> torch.optim.Optimizer:
-        return getattr(import_backend("torchao.optim", "torchao", "torchao"), class_name)(params, **hp)
+        # torchao's import logs kernels it could not load and torch's pytree deprecations: memwrap's import (e.g.
+        # the planner's), not the user's, so those records are dropped (memwrap.quiet).
+        with quiet_loggers("torchao", "torch.utils._pytree"):
+            backend = import_backend("torchao.optim", "torchao", "torchao")
+        return getattr(backend, class_name)(params, **hp)
 
     factory.__name__ = f"make_{class_name}"
     factory.__doc__ = f"torchao.optim.{class_name}(params, **hp), importing torchao now."

@@ -564,3 +564,47 @@ def test_plain_progress_prints_one_line_per_trace_with_its_stage(capsys, monkeyp
         progress(done, 2, label)
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 3 and "traced 1/2" not in "\n".join(err) and err[-1].endswith("traced 2/2")
+
+
+# --- noise: what memwrap's own imports and profiler print is held back, the user's own output is not ----------------
+
+NOISE = ("Failed to load", "_pytree", "USDT", "SyncActivityProfilerHandler", "profiler_start", "is an Enum subclass")
+
+
+def _python(code_or_args, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    args = ["-c", code_or_args] if isinstance(code_or_args, str) else code_or_args
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+
+
+def test_a_plan_of_a_preset_prints_no_library_noise(tmp_path):
+    """bf16-true with torchao's 4-bit AdamW: the planner builds it (its compensation is asked of the optimizer), which
+    imports torchao in this fresh process; its import-time log lines do not reach the user."""
+    done = _python(["-m", "memwrap.cli", "plan", "--preset", "gpt2-tiny", "--batch", "2", "--seq", "32", "--budget",
+                    "4GiB", "--precisions", "bf16-true", "--checkpoints", "none", "--optimizers", "adamw,adamw_torch_4bit",
+                    "--micro-batches", "2", "--step-in-backward", "no", "--chunked-loss", "no"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "adamw_torch_4bit" in done.stdout
+    for noise in NOISE:
+        assert noise not in done.stderr and noise not in done.stdout, (noise, done.stderr)
+    assert all(line.startswith("[") for line in done.stderr.splitlines()), done.stderr  # progress lines only
+
+
+def test_memwraps_torchao_import_is_quiet_but_the_users_own_torchao_logs_still_show(tmp_path):
+    done = _python(textwrap.dedent("""
+        import logging, sys, torch, memwrap
+        assert "torchao" not in sys.modules
+        memwrap.create_optimizer("adamw_torch_4bit", [torch.nn.Parameter(torch.zeros(4096))], lr=1e-3)
+        print("torchao imported:", "torchao.optim" in sys.modules)
+        logging.getLogger("torchao").warning("the user's own torchao warning")
+        logging.getLogger("torch.utils._pytree").warning("the user's own pytree warning")
+    """), tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "torchao imported: True" in done.stdout
+    for noise in NOISE[:2]:
+        assert noise not in done.stderr.replace("the user's own pytree warning", ""), done.stderr
+    assert "the user's own torchao warning" in done.stderr and "the user's own pytree warning" in done.stderr

@@ -113,3 +113,26 @@ def test_resume_keeps_this_runs_every_and_the_clock():
 def test_monitor_without_an_optimizer_is_refused():
     with pytest.raises(TypeError, match="no optimizer was given"):
         memwrap.wrap(torch.nn.Linear(2, 2), monitor=1)
+
+
+def test_memwraps_profiler_prints_nothing_and_lets_the_measured_code_print(capfd):
+    """The CPU measurements run torch.profiler; its native start/stop lines (kineto's 'USDT ... profiler_start')
+    are held back, what the measured code itself prints (Python or native, stdout or stderr) is not."""
+    import os
+
+    from memwrap.memory.measure import allocator_growth
+
+    def fn():
+        os.write(2, b"native line from the measured code\n")
+        print("python line from the measured code", flush=True)
+        return torch.ones(1024)
+
+    grown = allocator_growth(fn)
+    out, err = capfd.readouterr()
+    assert grown >= 4096
+    for noise in ("USDT", "SyncActivityProfilerHandler", "profiler_start", "profiler_stop"):
+        assert noise not in err and noise not in out, err
+    assert "native line from the measured code" in err and "python line from the measured code" in out
+    peak = memwrap.measure_peak(lambda: torch.nn.Linear(8, 8), torch.randn(2, 8), steps=1)["peak"]
+    out, err = capfd.readouterr()
+    assert peak > 0 and "USDT" not in err and "profiler_" not in err, err

@@ -83,8 +83,18 @@ def allocator_growth(fn: Callable[[], Any]) -> int:
     """
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    from memwrap.quiet import quiet_native_stderr
+
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    # kineto prints "USDT ... profiler_start/stop" natively at each start and stop: held back around those two calls
+    # only, so whatever fn itself prints still shows.
+    with quiet_native_stderr():
+        prof.start()
+    try:
         fn()
+    finally:
+        with quiet_native_stderr():
+            prof.stop()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                     if e.name() == "[memory]" and str(e.device_type()).endswith("CPU"))
     running = peak = 0
