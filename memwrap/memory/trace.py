@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from memwrap.memory.batch import default_loss, split_batch
 from memwrap.memory import fake_kernels  # noqa: F401  fake kernels the trace needs (MoE grouped_mm in fp32)
+from memwrap.memory.grad_accumulation import InPlaceAccumulation
 
 __all__ = ["CATEGORIES", "Stack", "TraceResult", "find_stack", "fake_model", "truncated", "run_trace", "split_batch", "default_loss"]  # noqa: the last two re-exported from batch.py
 
@@ -186,6 +187,8 @@ class SegmentMixin:
         from torch.utils.flop_counter import flop_registry
 
         self._flop_registry = flop_registry
+        # The engine's in-place gradient accumulation, which the dispatch mode itself turns off (observer effect).
+        self.accumulation = InPlaceAccumulation()
 
     def key(self) -> tuple:
         if self._in_opt:
@@ -197,7 +200,9 @@ class SegmentMixin:
         return (self.mb, "forward", self.fw_pos)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        func = self.accumulation.rewrite(func, args, kwargs)
         res = super().__torch_dispatch__(func, types, args, kwargs)
+        self.accumulation.made(res)
         # torch's own FLOP formulas (FlopCounterMode's registry); FlopCounterMode itself is not
         # used because its module tracking keeps checkpoint-recomputed tensors alive.
         count = self._flop_registry.get(func._overloadpacket)
