@@ -11,7 +11,7 @@ Otherwise it adds out of place, ``old + new``, a third buffer of the same size w
 (``c10::impl::dispatch_mode_enabled()``), and for every FakeTensor anyway. So under the trace (FakeTensorMode plus
 MemTracker, both dispatch modes) every such accumulation is out of place, while the real step (no mode) does it in
 place: the trace over-predicts by one gradient-sized tensor wherever the step's peak sits at such a moment (bf16 +
-full checkpointing on the test GPT: +4.8 %; the tied-head GPT with the chunked loss: +9.7 %). A do-nothing
+full checkpointing on the README's test GPT: +4.8 %; the tied-head GPT with the chunked loss: +9.7 %). A do-nothing
 ``TorchDispatchMode`` around the *real* step reproduces the trace's prediction to the byte.
 
 :class:`InPlaceAccumulation` recognises the engine's accumulation among the ops the tracker sees and lets the tracker
@@ -25,7 +25,11 @@ run it as ``add_`` (the storage reused, nothing allocated), exactly when the rea
   slots, or a tensor a Python hook or custom ``Function.backward`` holds, shows higher or different counts);
 * the first was not made by the autograd node now running: the engine adds after the node returns, into a gradient
   an earlier node produced, while an ``add`` inside a node's own formula (``var_mean``'s ``gv + gm``) is out of place
-  in the real step too and stays so.
+  in the real step too and stays so. The price: a node that returns both gradients itself (``y * y``:
+  MulBackward0) is added in place by the real engine but stays out of place here (over-prediction, the safe side).
+
+``tests/test_estimate.py`` checks every decision against the real engine (by buffer address) on small graphs, and
+the estimates against the allocator's peak where the step peaks at such an accumulation.
 
 Where the probe cannot tell a held-only-by-the-buffer tensor from a shared one (a future torch changing its
 reference counting), nothing is rewritten and the trace stays on the safe side (over-prediction).
@@ -80,7 +84,7 @@ def engine_buffer_counts() -> tuple[int, int, int] | None:
                 seen.append(_counts(args))
             return func(*args, **(kwargs or {}))
 
-    with torch.enable_grad(), Probe():
+    with torch.inference_mode(False), torch.enable_grad(), Probe():
         x = torch.empty(4, requires_grad=True)
         y = x * 2
         (y.sin() + y.cos()).sum().backward()
