@@ -8,7 +8,10 @@ memwrap never replaces torch.distributed; it only tells it *when* to communicate
 * item counts: with ``count_items``, the window's item total is summed over the data-parallel
   ranks, so micro-batch weights reproduce the loss of the *global* big batch;
 * sharded parameters: optimizers whose kernels cannot take ``DTensor`` parameters (bitsandbytes
-  8-bit) are refused up front with a fix, instead of failing inside their first ``step()``.
+  8-bit) are refused up front with a fix, instead of failing inside their first ``step()``;
+* parameter dtype: a precision that stores parameters in another dtype (``bf16-true``) cannot convert
+  them once DDP or FSDP has been built on them; that order is refused with the one that works
+  (:func:`check_dtype_change`).
 
 Why the item weight is ``world_size * n / T``: DDP and FSDP2 *average* gradients over the
 data-parallel ranks. With micro-batch losses that are means over their ``n_{r,i}`` items, the
@@ -26,7 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["sync_control", "item_reducer", "is_sharded", "check_sharded_optimizer", "unwrap_compiled"]
+__all__ = ["sync_control", "item_reducer", "is_sharded", "check_sharded_optimizer", "unwrap_compiled",
+           "check_dtype_change"]
 
 
 def unwrap_compiled(model: nn.Module) -> nn.Module:
@@ -195,3 +199,53 @@ def check_sharded_optimizer(optimizer: torch.optim.Optimizer) -> None:
             f"{problem}. Fix: under FSDP2 use an elementwise torch optimizer (optim='adamw', or "
             "torch.optim.AdamW(..., foreach=True)), or train with DDP, where every optimizer sees ordinary tensors."
         )
+
+
+def _data_parallel(model: nn.Module) -> str | None:
+    """The name of the data-parallel wrapper built on the model's parameters (DDP, FSDP2, FSDP1), or None."""
+    model = unwrap_compiled(model)
+    if any(isinstance(m, nn.parallel.DistributedDataParallel) for m in model.modules()):
+        return "DistributedDataParallel"
+    if _fsdp2_modules(model):
+        return "FSDP2 (fully_shard)"
+    if _is_fsdp1(model):
+        return "FSDP1 (FullyShardedDataParallel)"
+    return None
+
+
+def check_dtype_change(model: nn.Module, precision: Any) -> None:
+    """Raise a ``ValueError`` naming the fix when ``precision`` would change the dtype of parameters that DDP or FSDP
+    already communicates.
+
+    DDP builds its gradient buckets for the parameters' dtype when it is constructed, and FSDP2 its sharded
+    parameters and all-gather buffers when ``fully_shard`` runs. Swapping the storage afterwards (what a
+    precision's ``convert_module`` does, ``t.data = t.data.to(bf16)``) happens behind their back: measured on 2
+    gloo ranks, DDP then never averaged the bf16 gradients (the ranks' weights drifted 11% apart in a few updates)
+    and FSDP2 handed fp32 optimizer state bf16 gradients (``expected dtype float for end but got BFloat16`` at the
+    first step). torch has no public way to rebuild either, so the order that works is required: convert first,
+    then ``DDP(...)`` / ``fully_shard``. A model already in the precision's dtype passes (nothing to convert).
+
+    Example:
+        >>> from memwrap.precision import get_precision
+        >>> check_dtype_change(nn.Linear(2, 2), get_precision("bf16-true"))  # single process: converted by wrap()
+    """
+    dtype = getattr(precision, "param_dtype", None)
+    if dtype is None:
+        return
+    changing = next((n for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != dtype), None)
+    wrapper = _data_parallel(model) if changing is not None else None
+    if wrapper is None:
+        return
+    current = str(model.get_parameter(changing).dtype).replace("torch.", "")
+    short = str(dtype).replace("torch.", "")
+    if wrapper.startswith("Distributed"):
+        order = (f"model = model.to(torch.{short}); ddp = DistributedDataParallel(model, ...); optimizer = "
+                 f"torch.optim.AdamW(ddp.parameters()); memwrap.wrap(ddp, optimizer, precision={precision.name!r})")
+    else:
+        order = (f"model = model.to(torch.{short}); then fully_shard each block and the model; optimizer = "
+                 f"torch.optim.AdamW(model.parameters()); memwrap.wrap(model, optimizer, precision={precision.name!r})")
+    raise ValueError(
+        f"precision={precision.name!r} stores the parameters in {short}, but the model is already wrapped in {wrapper}, "
+        f"which was built for their current dtype ({changing!r} is {current}): converting them now would happen behind "
+        f"its back (DDP would stop averaging the gradients across ranks; FSDP's shards keep the old dtype). Fix: "
+        f"convert first, then build {wrapper.split(' ')[0]} and the optimizer: {order}. See docs/distributed.md.")

@@ -72,6 +72,9 @@ def check_wrap(objects: tuple[Any, ...], options: dict[str, Any]) -> WrapPlan:
     _check_schedulers(kinds["scheduler"], optimizer, opts)
     if model is not None:
         _check_model(model, optimizer, opts, precision)
+        from memwrap.distributed import check_dtype_change
+
+        check_dtype_change(model, precision)  # bf16-true after DDP / fully_shard: refused with the order that works
     if opts.optim is not None:
         from memwrap.registry import get_optimizer_spec
 

@@ -281,6 +281,74 @@ def run_fsdp_fp16_inf_on_one_rank(rank: int) -> dict:
     return {"windows": windows, "params": _full_state(model)}
 
 
+# --- bf16-true: the parameters must be bf16 before DDP / fully_shard is built on them ----------------------------
+
+ADAM_LR = 1e-2
+
+
+def _bf16_optimizer(name: str, params) -> torch.optim.Optimizer:
+    # wrap(precision="bf16-true") converts either to its torch-optimi Kahan-summed equivalent.
+    return torch.optim.AdamW(params, lr=ADAM_LR) if name == "adamw" else torch.optim.SGD(params, lr=LR)
+
+
+def bf16_true_reference(world: int, optimizer: str = "sgd", precision: str = "bf16-true",
+                        ranks: tuple[int, ...] | None = None) -> dict[str, torch.Tensor]:
+    """One process, one big batch per window (all ranks' micro-batches concatenated), the same precision and optimizer.
+
+    ``ranks``: only those ranks' data (a run whose gradients were never averaged follows its own rank's)."""
+    import warnings
+
+    import memwrap
+
+    model = make_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the ConversionWarning (AdamW -> optimi's Kahan AdamW)
+        wmodel, opt = memwrap.wrap(model, _bf16_optimizer(optimizer, model.parameters()), precision=precision)
+    for win in range(WINDOWS):
+        batches = [micro_batch(win, r, i) for r in (ranks or range(world)) for i in range(ACCUMULATE)]
+        big = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+        masked_loss(wmodel(big["x"]), big).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+
+
+def run_bf16_true(rank: int, strategy: str, optimizer: str = "sgd", convert_first: bool = True) -> dict:
+    """bf16-true under DDP or FSDP2. ``convert_first``: the supported order (model.to(bf16), then DDP/fully_shard);
+    otherwise wrap() gets an fp32 model that DDP/FSDP2 was already built on, which it must refuse, changing nothing."""
+    import warnings
+
+    import memwrap
+
+    model = make_model()
+    if convert_first:
+        model = model.to(torch.bfloat16)
+    model = nn.parallel.DistributedDataParallel(model) if strategy == "ddp" else _shard(model)
+    opt = _bf16_optimizer(optimizer, model.parameters())
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            wmodel, wopt, loader = memwrap.wrap(model, opt, rank_batches(rank), accumulate=ACCUMULATE,
+                                                count_items=count_items, precision="bf16-true")
+    except ValueError as err:
+        return {"refused": str(err), "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+    for batch in loader:
+        masked_loss(wmodel(batch["x"]), batch).backward()
+        wopt.step()
+        wopt.zero_grad()
+    state = {k: v.float() for k, v in _full_state_tensors(model).items()}
+    return {"params": {k: v.flatten().tolist() for k, v in state.items()}, "updates": wopt.updates,
+            "optimizer": type(wopt.optimizer).__module__.split(".")[0] + "." + type(wopt.optimizer).__name__,
+            "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+
+
+def _full_state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {name.removeprefix("module."): (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+            for name, v in model.state_dict().items()}
+
+
 SCENARIOS = {
     "ddp_fp32": lambda r: run_ddp(r, "fp32", weighted=True),
     "ddp_bf16": lambda r: run_ddp(r, "bf16", weighted=False),
@@ -292,6 +360,12 @@ SCENARIOS = {
     "fsdp_fp16_inf_one_rank": run_fsdp_fp16_inf_on_one_rank,
     "fsdp_plain": lambda r: run_fsdp(r, "none", use_memwrap=False),
     "sharded_optimizers": run_sharded_optimizers,
+    "ddp_bf16_true": lambda r: run_bf16_true(r, "ddp"),
+    "ddp_bf16_true_adamw": lambda r: run_bf16_true(r, "ddp", "adamw"),
+    "ddp_bf16_true_after": lambda r: run_bf16_true(r, "ddp", convert_first=False),
+    "fsdp_bf16_true": lambda r: run_bf16_true(r, "fsdp2"),
+    "fsdp_bf16_true_adamw": lambda r: run_bf16_true(r, "fsdp2", "adamw"),
+    "fsdp_bf16_true_after": lambda r: run_bf16_true(r, "fsdp2", convert_first=False),
 }
 
 
