@@ -1,7 +1,7 @@
 """WrappedModule: the forward path of one micro-batch.
 
 1. gradient-sync control (DDP ``no_sync`` / FSDP2) unless this micro-batch closes the window,
-2. autocast for the precision mode,
+2. floating inputs cast to the precision's storage dtype (bf16-true), autocast for the precision mode,
 3. the user's module forward (checkpointed blocks inside it); with ``chunked_loss`` a call with
    labels runs the model's body, then its head and loss chunk by chunk (:mod:`memwrap.loss_head`),
 4. floating outputs cast to fp32,
@@ -129,6 +129,9 @@ class WrappedModule(nn.Module):
             args, kwargs, stray = self._unweight_inputs(args, kwargs)
             if stray is not None:
                 self._warn_grad_input(stray)
+        # Floating inputs in the parameters' storage dtype (bf16-true: bf16, as Lightning's bf16-true): norms with
+        # bf16 weights refuse fp32 inputs, and autocast does not cast them. Outputs come back fp32 (_finish).
+        args, kwargs = self._precision.convert_input((args, kwargs))
         with self._sync(training), self._precision.autocast(self._device_type):
             if self._loss_head is None:
                 outputs = self.module(*args, **kwargs)

@@ -1,11 +1,12 @@
 """Precision modes are plugins: this module holds their neutral base class and the registry.
 
-A precision plugin decides four things (the shape follows Lightning Fabric's precision plugins:
+A precision plugin decides these things (the shape follows Lightning Fabric's precision plugins:
 every method of the base class has a neutral body, each mode overrides only what differs):
 
 * the dtype parameters (and so gradients) are stored in: :attr:`Precision.param_dtype`,
   applied by :meth:`Precision.convert_module`;
-* the forward context: :meth:`Precision.autocast`;
+* the forward context: :meth:`Precision.autocast`, and what the inputs become (:meth:`Precision.convert_input`:
+  bf16-true casts floating inputs to bf16);
 * loss scaling: :meth:`Precision.make_scaler` (a disabled ``GradScaler`` when none is needed);
 * what it requires of the optimizer so that updates stay accurate: :meth:`Precision.check_optimizer`
   (validation, before anything changes) and :meth:`Precision.convert_optimizer` (the action);
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,7 +38,7 @@ from memwrap.name_index import PluginCache, conflict_message, index_names
 __all__ = [
     "Precision", "AutocastPrecision", "PrecisionRow", "PrecisionConflictError", "UnknownPrecisionError",
     "get_precision", "get_precision_class", "resolve_precision", "precision_names", "precisions",
-    "normalize_precision_name", "PRECISIONS",
+    "normalize_precision_name", "PRECISIONS", "convert_model", "cast_floating",
 ]
 
 
@@ -128,6 +130,15 @@ class Precision:
         return optimizer
 
     # -- the training path -------------------------------------------------------------------
+    def convert_input(self, data: Any) -> Any:
+        """The forward's arguments as the converted parameters need them (Lightning Fabric's ``convert_input``).
+
+        ``data`` is the ``(args, kwargs)`` of one call. The neutral mode passes them as given; a mode that stores the
+        parameters in a low-precision dtype returns :func:`cast_floating` of them (bf16-true), since a LayerNorm,
+        BatchNorm or GroupNorm with bf16 weights refuses an fp32 input and autocast does not cast it for them.
+        """
+        return data
+
     def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
         """The forward's context (``torch.autocast`` or nothing)."""
         return contextlib.nullcontext()
@@ -150,6 +161,101 @@ class Precision:
     def __repr__(self) -> str:
         extra = f"compensation={self.compensation!r}" if self.compensation is not None else ""
         return f"{type(self).__name__}({extra})"
+
+
+def cast_floating(data: Any, dtype: torch.dtype) -> Any:
+    """Every floating tensor nested in ``data`` (tuples, lists, dicts, namedtuples, dataclasses) cast to ``dtype``.
+
+    What a precision that stores parameters in ``dtype`` does to the forward's inputs, as Lightning's
+    ``bf16-true`` does. Integer tensors (token ids, labels) stay. ``data`` itself is returned when nothing needs
+    casting, so a model that fills in a dict or list it was given still fills in the caller's object.
+
+    Example:
+        >>> args, kwargs = cast_floating(((torch.ones(1), torch.ones(1, dtype=torch.long)), {}), torch.bfloat16)
+        >>> args[0].dtype, args[1].dtype
+        (torch.bfloat16, torch.int64)
+    """
+    if not any(_castable(t, dtype) for t in _tensors(data)):
+        return data
+    from memwrap.module import map_outputs  # memwrap.module imports this module
+
+    return map_outputs(data, lambda t: t.to(dtype) if _castable(t, dtype) else t)
+
+
+def _tensors(data: Any) -> list:
+    from torch.utils._pytree import tree_flatten
+
+    return [t for t in tree_flatten(data)[0] if isinstance(t, torch.Tensor)]
+
+
+def _castable(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    return t.is_floating_point() and t.dtype != dtype
+
+
+def convert_model(precision: Precision, module: nn.Module,
+                  optimizer: torch.optim.Optimizer | None = None) -> Callable[[], None]:
+    """Run ``precision.convert_module(module)`` all or nothing, give the optimizer's existing state the new dtype,
+    and return the undo (``wrap()`` calls it if a later change fails).
+
+    All or nothing: every parameter's and buffer's storage and gradient (and each submodule's parameter and buffer
+    entries) is recorded first; if ``convert_module`` raises part-way, all of it is put back, bit for bit, and the
+    error propagates; the returned undo does the same after a success. The record holds the old storage while the
+    undo lives (``wrap()`` drops it when the call succeeds), so ``wrap()`` briefly holds both copies of a converted
+    tensor (an fp32 model converted to bf16: 1.5x its fp32 weights); a model converted before ``wrap()``
+    (``model.to(torch.bfloat16)``) is not converted again and costs nothing here.
+
+    Optimizer state: state that exists before the first step (``torch.optim.Adagrad`` creates its ``sum`` in its
+    constructor; an optimizer that already stepped holds its moments) was made in the parameters' old dtype. Each
+    floating state tensor in a parameter's old dtype is cast to its new dtype, as ``Optimizer.load_state_dict``
+    casts state to the parameters' dtype (``"step"`` is kept as it is), so that bf16-true stores bf16 state whatever
+    the optimizer.
+
+    Example:
+        >>> net = nn.Linear(2, 2)
+        >>> opt = torch.optim.Adagrad(net.parameters())
+        >>> undo = convert_model(get_precision("bf16-true", compensation="none"), net, opt)
+        >>> net.weight.dtype, opt.state[net.weight]["sum"].dtype
+        (torch.bfloat16, torch.bfloat16)
+        >>> undo(); net.weight.dtype, opt.state[net.weight]["sum"].dtype
+        (torch.float32, torch.float32)
+    """
+    modules = list(module.modules())
+    entries = [(m, dict(m._parameters), dict(m._buffers)) for m in modules]
+    tensors = {id(t): t for m in modules for t in (*m._parameters.values(), *m._buffers.values()) if t is not None}
+    saved = [(t, t.data, t.grad, t.dtype) for t in tensors.values()]
+    old_state: dict[int, tuple[dict, dict]] = {}
+
+    def undo() -> None:
+        with torch.no_grad():
+            for m, params, buffers in entries:
+                m._parameters.clear()
+                m._parameters.update(params)
+                m._buffers.clear()
+                m._buffers.update(buffers)
+            for t, data, grad, _ in saved:
+                t.data = data
+                t.grad = grad
+        for state, values in old_state.values():
+            state.clear()
+            state.update(values)
+
+    try:
+        precision.convert_module(module)
+        if optimizer is not None:
+            old_dtype = {id(t): dtype for t, _, _, dtype in saved}
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    state, before = optimizer.state.get(p), old_dtype.get(id(p))
+                    if not state or before is None or p.dtype == before:
+                        continue
+                    old_state.setdefault(id(p), (state, dict(state)))
+                    for key, value in list(state.items()):
+                        if key != "step" and isinstance(value, torch.Tensor) and value.dtype == before:
+                            state[key] = value.to(p.dtype)
+    except BaseException:
+        undo()
+        raise
+    return undo
 
 
 def _scaler_device(device_type: str) -> str:

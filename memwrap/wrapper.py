@@ -87,7 +87,7 @@ def wrap(*objects: Any, **options: Any) -> Any:
     # The changes to the user's objects come last; if one fails, those before it are undone (newest first).
     with contextlib.ExitStack() as undo:
         if wrapped_model is not None:
-            _change_model(plan, wrapped_model, undo)
+            _change_model(plan, wrapped_model, undo, wrapped_opt.optimizer if wrapped_opt is not None else None)
         if wrapped_opt is not None and plan.opts.step_in_backward:  # hooks on the parameters: a change, made last
             from memwrap.step_in_backward import StepInBackward
 
@@ -182,13 +182,17 @@ def _monitor(plan: WrapPlan) -> Any:
     return MemoryMonitor(every=plan.opts.monitor)
 
 
-def _change_model(plan: WrapPlan, wrapped: WrappedModule, undo: contextlib.ExitStack) -> None:
-    """Checkpoint the model, switch on the precision's process-wide settings and convert its parameters.
+def _change_model(plan: WrapPlan, wrapped: WrappedModule, undo: contextlib.ExitStack,
+                  optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Checkpoint the model, switch on the precision's process-wide settings and convert its parameters
+    (and the state ``optimizer``, the one that steps, already holds).
 
-    Each change registers its undo on ``undo``, which ``wrap()`` runs if a later step fails. Converting
-    the parameters' dtype comes last because it cannot be undone exactly.
+    Each change registers its undo on ``undo``, which ``wrap()`` runs if a later step fails. The dtype
+    conversion keeps the old storage until ``wrap()`` succeeds, so it is undone bit for bit
+    (:func:`memwrap.precision.convert_model`).
     """
     from memwrap.checkpointing import apply_checkpointing, current_report, remove_checkpointing
+    from memwrap.precision import convert_model
 
     target = checkpoint_target(plan.model)
     if plan.checkpoint is not None:
@@ -196,7 +200,7 @@ def _change_model(plan: WrapPlan, wrapped: WrappedModule, undo: contextlib.ExitS
         apply_checkpointing(target, **plan.checkpoint)
     undo.callback(plan.precision.restore)
     plan.precision.enable()
-    plan.precision.convert_module(plan.model)
+    undo.callback(convert_model(plan.precision, plan.model, optimizer))
     # Plain attributes (not part of state_dict). The report also shows checkpointing applied before wrap();
     # unwrap() removes only what this call applied.
     object.__setattr__(wrapped, "checkpoint_report", current_report(target))

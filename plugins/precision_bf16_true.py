@@ -16,9 +16,15 @@ hyperparameters, with a one-line :class:`~memwrap.registry.ConversionWarning`. A
 already compensated (optimi with ``kahan_sum`` unset or True, torchao with stochastic rounding) is
 kept. Any other optimizer is refused unless ``compensation="none"``.
 
-The forward runs under bf16 autocast: fp32 inputs are cast at the matmuls and the ops autocast
-keeps in fp32 (softmax, norms, losses) stay there. ``unwrap`` leaves the weights in bf16 (casting
-back would not restore what bf16 storage rounded); call ``model.float()`` for fp32.
+Floating inputs are cast to bf16 before the forward, as Lightning's bf16-true does (a LayerNorm,
+BatchNorm or GroupNorm with bf16 weights refuses an fp32 input); integer inputs stay. The forward runs
+under bf16 autocast, so the ops autocast keeps in fp32 (softmax, losses) stay there, and floating
+outputs come back fp32. ``unwrap`` leaves the weights in bf16 (casting back would not restore what
+bf16 storage rounded); call ``model.float()`` for fp32.
+
+Under DDP or FSDP2 the model must be converted before ``DistributedDataParallel(...)`` /
+``fully_shard`` (``model.to(torch.bfloat16)``): both are built for the parameters' dtype, and
+``wrap()`` refuses to convert behind their back (:func:`memwrap.distributed.check_dtype_change`).
 
 Example:
     >>> model, optimizer = memwrap.wrap(model, torch.optim.AdamW(model.parameters(), lr=2e-5),
@@ -35,7 +41,7 @@ import torch
 from torch import nn
 
 from memwrap.plugins import hookimpl
-from memwrap.precision import AutocastPrecision
+from memwrap.precision import AutocastPrecision, cast_floating
 
 _HINTS = {
     "kahan": "compensation='kahan' needs torch-optimi: pip install 'memwrap[optimi]' (or pip install torch-optimi)",
@@ -155,6 +161,10 @@ class BF16True(AutocastPrecision):
                       f"({'kahan_sum=True' if mode == 'kahan' else 'bf16_stochastic_round=True'}), each group's "
                       "hyperparameters kept.", ConversionWarning, stacklevel=4)
         return new
+
+    def convert_input(self, data: Any) -> Any:
+        # As Lightning's bf16-true: a norm layer with bf16 weights refuses an fp32 input, and autocast leaves it.
+        return cast_floating(data, torch.bfloat16)
 
     # -- memory effect -----------------------------------------------------------------------
     def compensation_bytes(self, param: torch.Tensor) -> int:

@@ -192,3 +192,98 @@ def test_conversion_runs_on_fake_tensors_for_the_planner():
     state = opt.state[model[0].weight]
     assert {state[k].dtype for k in ("exp_avg", "exp_avg_sq", "kahan_comp")} == {torch.bfloat16}
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+# --- floating inputs are cast to bf16, as Lightning's bf16-true (issue 22 item 16) --------------------------------
+
+@pytest.mark.parametrize("norm", [lambda n: torch.nn.LayerNorm(n), lambda n: torch.nn.BatchNorm1d(n),
+                                  lambda n: torch.nn.GroupNorm(1, n)], ids=["layernorm", "batchnorm", "groupnorm"])
+def test_floating_inputs_are_cast_like_lightning_bf16_true(norm):
+    # Before: "mixed dtype (CPU): expect parameter to have scalar type of Float" (fp32 input, bf16 norm weights).
+    precision = pytest.importorskip("lightning.fabric.plugins.precision")
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(norm(4), torch.nn.Linear(4, 3), torch.nn.GELU(), norm(3))
+    ref = copy.deepcopy(model)
+    x = torch.randn(6, 4, requires_grad=True)
+    m = memwrap.wrap(model, precision="bf16-true")
+    out = m(x)
+    out.square().sum().backward()
+    # Lightning Fabric's own bf16-true plugin on the same module and input: the reference.
+    plugin = precision.HalfPrecision("bf16-true")
+    ref = plugin.convert_module(ref)
+    x_ref = x.detach().clone().requires_grad_()
+    with plugin.forward_context():
+        ref_out = ref(plugin.convert_input(x_ref))
+    ref_out = plugin.convert_output(ref_out)
+    ref_out.square().sum().backward()
+    assert out.dtype == torch.float32  # outputs come back fp32 (memwrap's output rule)
+    assert torch.equal(out, ref_out)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.bfloat16 and torch.equal(p.grad, q.grad), name
+    assert x.grad.dtype == torch.float32 and torch.equal(x.grad, x_ref.grad)  # the input's gradient flows back
+
+
+def test_integer_inputs_stay_and_uncast_arguments_are_passed_as_given():
+    seen = []
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 4)
+            self.norm = torch.nn.LayerNorm(4)
+
+        def forward(self, batch):
+            seen.append(batch)
+            return self.norm(self.emb(batch["ids"]) * batch["scale"][:, None, None]).sum()
+
+    m = memwrap.wrap(Model(), precision="bf16-true")
+    ids = torch.tensor([[1, 2], [3, 4]])
+    m({"ids": ids, "scale": torch.ones(2)})  # a float entry: the dict is rebuilt with it in bf16
+    assert seen[-1]["ids"] is ids and seen[-1]["scale"].dtype == torch.bfloat16
+    batch = {"ids": ids, "scale": torch.ones(2, dtype=torch.bfloat16)}
+    m(batch)
+    assert seen[-1] is batch  # nothing to cast: the caller's own object
+
+
+# --- optimizer state made before the first step follows the parameters (issue 22 item 10) -----------------------
+
+def test_adagrad_state_from_its_constructor_becomes_bf16_and_trains_as_built_on_bf16():
+    # Before: torch.optim.Adagrad creates state["sum"] in its constructor, on the fp32 parameters; after wrap() it
+    # stayed fp32 (twice the memory the docs promise, and another update than Adagrad built on bf16 weights).
+    model, ref = net(), net().to(torch.bfloat16)
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.Adagrad(ref.parameters(), lr=0.05)
+    m, o = memwrap.wrap(model, opt, precision="bf16-true", compensation="none")
+    assert o.optimizer is opt  # compensation='none': the user's own optimizer steps
+    for p in model.parameters():
+        assert opt.state[p]["sum"].dtype == torch.bfloat16 and opt.state[p]["step"].dtype == torch.float32
+    x, y = batch()
+    for _ in range(3):
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        o.step()
+        o.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # what wrap() runs: bf16 input, bf16 autocast
+            out = ref(x.to(torch.bfloat16)).float()
+        torch.nn.functional.mse_loss(out, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q) and opt.state[p]["sum"].dtype == torch.bfloat16
+        assert torch.equal(opt.state[p]["sum"], ref_opt.state[q]["sum"])
+
+
+def test_state_of_an_optimizer_that_already_stepped_is_cast_too():
+    model = net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = batch()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    step = {p: opt.state[p]["step"].clone() for p in model.parameters()}
+    memwrap.wrap(model, opt, precision="bf16-true", compensation="none")
+    for p in model.parameters():
+        state = opt.state[p]
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+        assert torch.equal(state["step"], step[p]) and state["step"].dtype == torch.float32  # "step" as torch loads it

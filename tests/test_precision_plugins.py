@@ -165,3 +165,57 @@ def test_two_plugins_claiming_one_name_conflict_naming_both():
         with pytest.raises(PrecisionConflictError, match="'bfloat16'.*precision_bf16.*shadow_plugin"):
             get_precision_class("bfloat16")
         assert resolve_precision("bf16-other") == "bf16-other"  # its other names still work
+
+
+class HalfwayBF16(Precision):
+    """Converts parameters one by one and fails at the third: a plugin that breaks part-way (issue 22 item 15)."""
+
+    name = "halfway-bf16"
+    param_dtype = torch.bfloat16
+
+    def convert_module(self, module):
+        for i, t in enumerate([*module.buffers(), *module.parameters()]):
+            if i == 4:
+                raise RuntimeError("halfway-bf16 cannot convert this tensor")
+            t.data = t.data.to(torch.bfloat16)
+            if t.grad is not None:
+                t.grad = t.grad.to(torch.bfloat16)
+        return module
+
+
+def test_a_conversion_that_fails_part_way_leaves_every_tensor_as_it_was():
+    # Before: the tensors converted before the failure stayed bf16 (the dtype conversion had no undo).
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    model(torch.randn(5, 4)).sum().backward()  # gradients present, BatchNorm statistics moved
+    opt = torch.optim.Adagrad(model.parameters())  # state made in the constructor, in fp32
+    tensors = [*model.buffers(), *model.parameters()]
+    before = [(t, t.detach().clone(), None if t.grad is None else t.grad.clone()) for t in tensors]
+    state = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()}
+    with _registered(HalfwayBF16), pytest.raises(RuntimeError, match="halfway-bf16 cannot convert"):
+        memwrap.wrap(model, opt, precision="halfway-bf16", checkpoint={"Linear"})
+    assert [*model.buffers(), *model.parameters()] == tensors  # the same objects
+    for t, value, grad in before:
+        assert t.dtype == value.dtype and torch.equal(t, value)  # bit for bit
+        assert (t.grad is None) == (grad is None) and (grad is None or torch.equal(t.grad, grad))
+    for p in model.parameters():
+        assert opt.state[p].keys() == state[p].keys()
+        assert all(torch.equal(opt.state[p][k], v) and opt.state[p][k].dtype == v.dtype for k, v in state[p].items())
+    from memwrap.checkpointing import is_checkpointed
+
+    assert not any(is_checkpointed(m) for m in model.modules())  # the change before it was undone too
+    memwrap.wrap(model, opt, precision="bf16-true", compensation="none")  # a retry behaves like a first call
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_the_conversion_undo_restores_after_a_success():
+    from memwrap.precision import convert_model, get_precision
+
+    net = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adagrad(net.parameters())
+    weight = net.weight.detach().clone()
+    undo = convert_model(get_precision("bf16-true", compensation="none"), net, opt)
+    assert net.weight.dtype == opt.state[net.weight]["sum"].dtype == torch.bfloat16
+    undo()  # what wrap() runs when a change after the conversion fails
+    assert net.weight.dtype == opt.state[net.weight]["sum"].dtype == torch.float32
+    assert torch.equal(net.weight, weight)
