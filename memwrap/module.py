@@ -257,6 +257,10 @@ class WrappedModule(nn.Module):
             >>> net.weight.grad is None  # mid-window: kept
             False
         """
+        if self.__dict__.get("_unwrapped"):  # memwrap.unwrap(model) undid what wrap() set up
+            from memwrap.wrapper import refuse_unwrapped
+
+            refuse_unwrapped(self, "zero_grad()")
         if self._gate.micro_step == 0:
             super().zero_grad(set_to_none)
 

@@ -267,6 +267,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
                 "memwrap's wrapped optimizer does not take a closure: with accumulation, the forward "
                 "and backward passes belong to your loop. Call optimizer.step() without arguments."
             )
+        self._refuse_if_unwrapped("step()")
         # Both describe this call: one that closes no window neither updated nor skipped an update.
         self.did_update = self.step_was_skipped = False
         if not self._outer_checked:
@@ -439,8 +440,15 @@ class WrappedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients only at a window boundary; inside a window they are still accumulating."""
+        self._refuse_if_unwrapped("zero_grad()")
         if self.gate.micro_step == 0:
             self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def _refuse_if_unwrapped(self, call: str) -> None:
+        if self.__dict__.get("_unwrapped"):  # memwrap.unwrap(optimizer) undid what wrap() set up
+            from memwrap.wrapper import refuse_unwrapped
+
+            refuse_unwrapped(self, call)
 
     # --- resume -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

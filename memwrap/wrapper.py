@@ -21,9 +21,10 @@ from memwrap.distributed import item_reducer, sync_control
 from memwrap.loss_scale import configure_scaler
 from memwrap.module import WrappedModule
 from memwrap.optimizer import WrappedOptimizer, WrappedScheduler, check_sparse_clipping
+from memwrap.precision import Precision
 from memwrap.wrap_checks import WrapPlan, check_wrap, checkpoint_target
 
-__all__ = ["wrap", "unwrap", "backward"]
+__all__ = ["wrap", "unwrap", "backward", "refuse_unwrapped"]
 
 
 def wrap(*objects: Any, **options: Any) -> Any:
@@ -102,7 +103,10 @@ def unwrap(obj: Any) -> Any:
 
     For a model: the checkpointing ``wrap(checkpoint=...)`` applied is removed (checkpointing the
     model already had before ``wrap()`` stays) and process-wide precision settings (TF32) are
-    restored. Unwrapping twice is harmless.
+    restored. For an optimizer: the step-in-backward hooks are removed. A wrapper that lost something
+    this way is spent: calling it (forward, ``step()``, ``zero_grad()``, ``memwrap.backward``) raises
+    rather than train without it. One that lost nothing (``unwrap`` only handed out the inner object)
+    goes on as before. Unwrapping twice is harmless.
 
     Example:
         >>> import memwrap, torch
@@ -111,16 +115,25 @@ def unwrap(obj: Any) -> Any:
         True
     """
     if isinstance(obj, WrappedModule):
+        undone = []
         if obj._owns_checkpointing:
             from memwrap.checkpointing import remove_checkpointing
 
             remove_checkpointing(checkpoint_target(obj.module))
             object.__setattr__(obj, "_owns_checkpointing", False)  # a later wrap's checkpointing is not this one's
+            undone.append("the checkpointing wrap() applied (checkpoint_report no longer holds)")
+        if type(obj._precision).restore is not Precision.restore:  # the mode has process-wide settings
+            undone.append(f"precision={obj._precision.name!r}'s process-wide settings")
         obj._precision.restore()
+        if undone and not obj.__dict__.get("_unwrapped"):
+            object.__setattr__(obj, "_unwrapped", ", ".join(undone))
+            # A pre-hook rather than a check in forward(): it runs before anything of the call, autocast included.
+            obj.register_forward_pre_hook(lambda module, args: refuse_unwrapped(module, "forward"), prepend=True)
         return obj.module
     if isinstance(obj, WrappedOptimizer):
         if obj.__dict__.get("step_in_backward") is not None:
             obj.step_in_backward.remove()  # its parameters stop stepping inside backward
+            obj._unwrapped = "the step-in-backward hooks (its parameters would no longer step)"
         return obj.optimizer
     if isinstance(obj, WrappedScheduler):
         return obj.scheduler
@@ -143,7 +156,29 @@ def backward(loss: torch.Tensor, model: WrappedModule, **kwargs: Any) -> None:
     """
     if not isinstance(model, WrappedModule):
         raise TypeError(f"memwrap.backward needs the model returned by memwrap.wrap, got {type(model).__name__}.")
+    if model.__dict__.get("_unwrapped"):
+        refuse_unwrapped(model, "memwrap.backward")
     model.backward(loss, **kwargs)
+
+
+def refuse_unwrapped(wrapper: Any, call: str) -> None:
+    """Raise: ``wrapper`` was passed to :func:`unwrap`, so it would train without what ``wrap()`` set up.
+
+    Example:
+        >>> import memwrap, torch
+        >>> model = memwrap.wrap(torch.nn.Linear(2, 2), precision="tf32"); _ = memwrap.unwrap(model)
+        >>> model(torch.ones(1, 2))
+        Traceback (most recent call last):
+        ...
+        RuntimeError: forward on a WrappedModule that memwrap.unwrap() was called on: ...
+    """
+    kind = "model" if isinstance(wrapper, WrappedModule) else "optimizer"
+    inner = type(wrapper.module if kind == "model" else wrapper.optimizer).__name__
+    undone = wrapper.__dict__.get("_unwrapped")
+    raise RuntimeError(
+        f"{call} on a {type(wrapper).__name__} that memwrap.unwrap() was called on: unwrap() undid what wrap() set up "
+        f"({undone}), so this wrapper would go on training without it. Fix: use the {inner} that unwrap() returned "
+        f"(your own {kind}), or wrap it again: model, optimizer = memwrap.wrap(model, optimizer, ...).")
 
 
 # --- pieces ---------------------------------------------------------------------------

@@ -182,7 +182,7 @@ def test_bf16_true_with_step_in_backward_uses_optimis_gradient_release():
         model = RegressionModel()
         m, o = _quiet(memwrap.wrap, model, torch.optim.AdamW(model.parameters(), lr=1e-2), precision="bf16-true",
                       step_in_backward=sib)
-        assert memwrap.unwrap(o).defaults["gradient_release"] is sib
+        assert o.optimizer.defaults["gradient_release"] is sib
         ids, y = regression_batch()
         for _ in range(3):
             F.mse_loss(m(ids), y).backward()
@@ -446,7 +446,7 @@ def test_parameters_made_trainable_after_wrap_are_trained_as_the_ordinary_step_t
                 elif change == "add_param_group":
                     o.add_param_group({"params": list(model.fc1.parameters()), "lr": 5e-3})
                 else:
-                    memwrap.unwrap(o).add_param_group({"params": list(model.fc1.parameters()), "lr": 5e-3})
+                    o.optimizer.add_param_group({"params": list(model.fc1.parameters()), "lr": 5e-3})  # the inner one
             for i, t in zip(ids.chunk(accumulate), y.chunk(accumulate)):
                 before = model.fc1.weight.detach().clone()
                 F.mse_loss(m(i), t).backward()

@@ -516,3 +516,53 @@ def test_parameters_on_meta_train_as_plain_torch():
             o.step()
             o.zero_grad()
         assert o.updates == 2 and o.last_grad_norm is None and model.weight.is_meta
+
+
+def test_a_wrapper_that_unwrap_took_something_from_refuses_further_use():
+    from memwrap.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=8))
+    ids = torch.randint(0, 32, (2, 8))
+    m, o = memwrap.wrap(gpt, torch.optim.AdamW(gpt.parameters()), checkpoint="full", step_in_backward=True)
+    assert m.checkpoint_report.modules
+    inner_model, inner_opt = memwrap.unwrap(m), memwrap.unwrap(o)
+    assert memwrap.unwrap(m) is inner_model  # twice: harmless
+    with pytest.raises(RuntimeError, match=r"forward on a WrappedModule that memwrap.unwrap\(\) was called on: .*"
+                                           r"checkpointing wrap\(\) applied.*Fix: use the GPT that unwrap\(\) returned"):
+        m(ids)
+    with pytest.raises(RuntimeError, match=r"zero_grad\(\) on a WrappedModule"):
+        m.zero_grad()
+    loss = inner_model(ids, labels=ids).loss
+    with pytest.raises(RuntimeError, match=r"memwrap.backward on a WrappedModule"):
+        memwrap.backward(loss, m)
+    loss.backward()  # the unwrapped objects are the user's own again, and train the plain way
+    for call in (o.step, o.zero_grad):
+        with pytest.raises(RuntimeError, match=r"on a WrappedOptimizer that memwrap.unwrap\(\) was called on: .*"
+                                               r"step-in-backward hooks.*Fix: use the AdamW"):
+            call()
+    before = gpt.lm_head.weight.detach().clone()
+    inner_opt.step()
+    assert not torch.equal(before, gpt.lm_head.weight)
+
+    tf32 = memwrap.wrap(net(), precision="tf32")
+    memwrap.unwrap(tf32)
+    with pytest.raises(RuntimeError, match=r"precision='tf32''s process-wide settings"):
+        tf32(torch.ones(1, 4))
+
+
+def test_unwrap_that_takes_nothing_away_leaves_the_wrapper_working():
+    # Reading the inner objects (memwrap.unwrap(optimizer).defaults, ...) must not end a plain wrap's training.
+    results = []
+    for peek in (False, True):
+        model = net()
+        m, o = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2)
+        if peek:
+            assert memwrap.unwrap(o).defaults["lr"] == 0.1 and memwrap.unwrap(m) is model
+        for x in torch.randn(4, 3, 4, generator=torch.Generator().manual_seed(0)):
+            m(x).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+        results.append(model)
+    for a, b in zip(*(r.parameters() for r in results)):
+        assert torch.equal(a, b)
