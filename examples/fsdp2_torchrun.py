@@ -6,7 +6,9 @@
         --micro-batch 1 --accumulate 2 --precision bf16 --checkpoint full
 
 Order matters for readability more than for correctness: like torchtitan, apply activation
-checkpointing to the unsharded blocks, then ``fully_shard`` each block and the root. memwrap toggles
+checkpointing to the unsharded blocks, then ``fully_shard`` each block and the root. A precision that
+stores the weights in another dtype (``--precision bf16-true``) converts the model before sharding:
+``wrap()`` refuses to change the dtype of parameters FSDP2 already sharded. memwrap toggles
 ``set_requires_gradient_sync`` so each window reduce-scatters once, and clips over the sharded
 (DTensor) gradients with the global norm. With ``--preset`` the model is built on the meta device
 and materialised shard by shard (``to_empty``), so no rank ever holds the whole model; this is the
@@ -23,6 +25,7 @@ from torch.distributed.fsdp import fully_shard
 
 import memwrap
 from memwrap.memory.trace import find_stack
+from memwrap.precision import get_precision_class
 from memwrap.models import build_preset, get_preset, lm_loss, preset_batch
 
 
@@ -54,6 +57,9 @@ def main() -> None:
         torch.cuda.set_device(device)
 
     model = build(args, device)
+    storage = get_precision_class(args.precision).param_dtype  # bf16-true stores the weights in bf16
+    if storage is not None:  # 0. convert before sharding: FSDP2 shards the parameters as they are now
+        model.to(storage)
     if args.checkpoint.lower() != "none":
         memwrap.apply_checkpointing(model, args.checkpoint)  # 1. checkpoint the blocks (unsharded)
     stack = find_stack(model, 2)
