@@ -394,6 +394,11 @@ class WrappedOptimizer(torch.optim.Optimizer):
             norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         else:
             norm = _total_norm([p.grad for p in params])
+        full_tensor = getattr(norm, "full_tensor", None)
+        if full_tensor is not None:
+            # FSDP2: a DTensor norm of the shards. Reduced here, where every rank steps, so that reading
+            # last_grad_norm later (on rank 0 only, for logging) starts no collective of its own.
+            norm = full_tensor()
         self._grad_norm = norm
         if _no_values(norm):
             # The planner traces this very step on fake tensors (parameters on meta likewise), which carry no values
