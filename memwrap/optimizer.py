@@ -42,44 +42,19 @@ def check_params_in_model(model: torch.nn.Module, params: list[torch.Tensor]) ->
         )
 
 
-def _refuse_outer_accumulation(accumulate: int) -> None:
-    """Refuse accumulation counted twice: memwrap's and a trainer's (Hugging Face Trainer, accelerate).
+def _refuse_outer_accumulation(wrapped: WrappedOptimizer) -> None:
+    """Refuse accumulation counted twice: memwrap's and an outer loop's (accelerate, Hugging Face Trainer).
 
-    Only the frames that called this ``step()`` are looked at: accelerate's state is process-wide and
-    outlives a Trainer run (a notebook that ran Trainer with gradient_accumulation_steps=2 and then a
-    plain loop must not be refused). memwrap never imports transformers or accelerate for this.
+    Read from the objects around this optimizer (memwrap.integrations.accelerate), never from stack frames: an
+    ``AcceleratedOptimizer`` it wraps or that wraps it, a Trainer holding either. accelerate's process-wide state is
+    read only through such an object, so a plain loop after a Trainer run is not refused.
     """
-    if accumulate == 1:
+    stepping_in_backward = wrapped.__dict__.get("step_in_backward") is not None
+    if wrapped.gate.accumulate == 1 and not stepping_in_backward:
         return
-    outer = _outer_accumulation(sys._getframe(2))
-    if outer > 1:
-        raise ValueError(
-            f"memwrap's accumulate={accumulate} and the trainer's gradient_accumulation_steps={outer} are both "
-            "active: every update would cover accumulate x gradient_accumulation_steps micro-batches while the "
-            "trainer counts only its own. Fix: keep one of them; inside Hugging Face Trainer use "
-            "memwrap.integrations.transformers.memwrap_trainer_kwargs and Trainer's gradient_accumulation_steps, "
-            "and pass Trainer the unwrapped model."
-        )
+    from memwrap.integrations.accelerate import check_outer_accumulation
 
-
-def _outer_accumulation(frame: Any, depth: int = 12) -> int:
-    trainer_module = sys.modules.get("transformers.trainer")
-    state = sys.modules.get("accelerate.state")
-    found = 1
-    for _ in range(depth):
-        if frame is None:
-            break
-        caller = frame.f_locals.get("self")
-        try:
-            if trainer_module is not None and isinstance(caller, trainer_module.Trainer):
-                found = max(found, int(caller.args.gradient_accumulation_steps))
-            elif state is not None and type(caller).__name__ == "AcceleratedOptimizer":
-                kwargs = state.GradientState._shared_state.get("plugin_kwargs", {})
-                found = max(found, int(kwargs.get("num_steps", 1)))
-        except Exception:  # another layout of either library: nothing to read, nothing to refuse
-            pass
-        frame = frame.f_back
-    return found
+    check_outer_accumulation(wrapped.optimizer, wrapped.gate.accumulate, stepping_in_backward, wrapper=wrapped)
 
 
 def _no_values(t: torch.Tensor) -> bool:
@@ -272,7 +247,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self.did_update = self.step_was_skipped = False
         if not self._outer_checked:
             self._outer_checked = True
-            _refuse_outer_accumulation(self.gate.accumulate)
+            _refuse_outer_accumulation(self)
         self._check_backward_seen()
         first_in_window = self.gate.micro_step == 0  # read before tick(): a one-batch window is first and last
         closes = self.gate.tick()

@@ -108,6 +108,7 @@ def check_step_in_backward(model: nn.Module | None, optimizer: torch.optim.Optim
             "gradients), or train on one device.")
     family = type(optimizer).__module__.split(".")[0]
     if family not in PER_PARAMETER_FAMILIES:
+        _refuse_optimizer_wrapper(optimizer)  # e.g. accelerate's AcceleratedOptimizer: name the real cause
         raise ValueError(
             f"step_in_backward=True with {family}.{name}: memwrap steps one parameter at a time, which equals the "
             "ordinary step only for optimizers whose update of a parameter depends on that parameter's gradient and "
@@ -119,6 +120,33 @@ def check_step_in_backward(model: nn.Module | None, optimizer: torch.optim.Optim
             f"step_in_backward=True with optimi.{name} built without gradient_release=True: optimi steps one parameter "
             f"at a time only in that mode (it keeps a step count per parameter). Fix: optimi.{name}(..., "
             "gradient_release=True), or drop step_in_backward.")
+
+
+def _refuse_optimizer_wrapper(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that only wraps another (accelerate's AcceleratedOptimizer, ZeroRedundancyOptimizer, ...),
+    naming the wrapped one: memwrap steps each parameter through the optimizer that computes the update, and a
+    wrapper's own step() (gating on accelerate's window, fp16 unscaling, sharding) cannot run per parameter."""
+    inner = next((v for v in (getattr(optimizer, a, None) for a in ("optimizer", "optim", "_optimizer"))
+                  if isinstance(v, torch.optim.Optimizer) and v is not optimizer), None)
+    if inner is None:
+        return
+    name, inner_name = type(optimizer).__name__, type(inner).__name__
+    from memwrap.integrations.accelerate import accelerated_optimizer
+
+    if accelerated_optimizer(optimizer) is not None:
+        raise ValueError(
+            f"step_in_backward=True with accelerate's AcceleratedOptimizer around {inner_name}: memwrap steps one "
+            f"parameter at a time through the optimizer that computes the update ({inner_name}), and "
+            "AcceleratedOptimizer.step() cannot run per parameter (it steps only when accelerate's accumulation "
+            "window closes, and unscales fp16 gradients). Fix: wrap() before accelerator.prepare(): model, optimizer "
+            "= memwrap.wrap(model, optimizer, step_in_backward=True), then model, optimizer = "
+            "accelerator.prepare(model, optimizer), with Accelerator(gradient_accumulation_steps=1) (memwrap's "
+            "accumulate= accumulates instead) and mixed_precision 'no' or 'bf16'.")
+    raise ValueError(
+        f"step_in_backward=True with {name}, a wrapper around {inner_name}: memwrap steps one parameter at a time "
+        f"through the optimizer that computes the update, and {name}.step() (which may gate, scale or shard the "
+        f"step) cannot run per parameter. Fix: wrap the optimizer it holds ({inner_name}) and apply {name} outside "
+        "memwrap, or drop step_in_backward.")
 
 
 # Libraries whose optimizers keep all state per parameter (none counts steps per group or couples parameters inside

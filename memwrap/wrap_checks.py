@@ -70,6 +70,9 @@ def check_wrap(objects: tuple[Any, ...], options: dict[str, Any]) -> WrapPlan:
     _check_option_targets(opts, precision, model, optimizer, kinds["loader"])
     _check_loaders(kinds["loader"])
     _check_schedulers(kinds["scheduler"], optimizer, opts)
+    from memwrap.integrations.accelerate import check_prepared_optimizer
+
+    check_prepared_optimizer(optimizer, opts, precision, kinds["scheduler"])  # after accelerator.prepare: one window
     if model is not None:
         _check_model(model, optimizer, opts, precision)
         from memwrap.distributed import check_dtype_change

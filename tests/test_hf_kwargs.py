@@ -175,30 +175,131 @@ def test_wrap_options_checkpoint_override_wins_over_either_hf_name(name, overrid
     assert wrap_options(SimpleNamespace(**{name: True}), checkpoint=override) == {"checkpoint": override}
 
 
-def test_accumulation_in_memwrap_and_in_accelerate_at_once_is_refused(monkeypatch):
-    accelerate = pytest.importorskip("accelerate")
-    from accelerate.optimizer import AcceleratedOptimizer
-    from accelerate.state import GradientState
+# --- accumulation counted outside memwrap: a real accelerate loop against the big batch -------------------------
 
-    def first_step(accumulate, through_accelerate=True):
-        net = torch.nn.Linear(2, 1)
-        model, opt = memwrap.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), accumulate=accumulate)
-        model(torch.ones(1, 2)).sum().backward()
-        if through_accelerate:
-            GradientState._shared_state["sync_gradients"] = True
-            AcceleratedOptimizer(opt, device_placement=False).step()
-        else:
+X = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+Y = torch.randn(8, 1, generator=torch.Generator().manual_seed(2))
+
+
+def _net():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 1)
+
+
+def big_batch_update(max_grad_norm=None):
+    """The weights after one SGD update on all 8 samples, the plain way."""
+    net = _net()
+    torch.nn.functional.mse_loss(net(X), Y).backward()
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(net.parameters(), max_grad_norm)
+    torch.optim.SGD(net.parameters(), lr=0.1).step()
+    return net
+
+
+def accelerate_loop(acc_steps, accumulate, order, **wrap_kw):
+    """Accelerator(gradient_accumulation_steps=acc_steps), memwrap accumulate=; 8 samples in acc_steps x accumulate
+    micro-batches, through accelerate's own loop (accumulate(), backward(), step(), zero_grad())."""
+    from accelerate import Accelerator
+
+    net = _net()
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=acc_steps)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    if order == "prepare, then wrap":
+        model, opt = memwrap.wrap(*acc.prepare(net, opt), accumulate=accumulate, **wrap_kw)
+    else:
+        model, opt = acc.prepare(*memwrap.wrap(net, opt, accumulate=accumulate, **wrap_kw))
+    n = acc_steps * accumulate
+    for x, y in zip(X.chunk(n), Y.chunk(n)):
+        with acc.accumulate(model):
+            acc.backward(torch.nn.functional.mse_loss(model(x), y))
             opt.step()
+            opt.zero_grad()
+    return net
 
-    # what Trainer(gradient_accumulation_steps=2) / Accelerator(gradient_accumulation_steps=2) leave in the state
-    accelerate.Accelerator(cpu=True)
-    monkeypatch.setitem(GradientState._shared_state, "plugin_kwargs", {"num_steps": 2})
-    with pytest.raises(ValueError, match="the trainer.s gradient_accumulation_steps=2 are both active"):
-        first_step(accumulate=2)
-    first_step(accumulate=1)  # only accelerate accumulates: fine
-    first_step(accumulate=2, through_accelerate=False)  # a plain loop after a Trainer run: the stale state is ignored
-    monkeypatch.setitem(GradientState._shared_state, "plugin_kwargs", {"num_steps": 1})
-    first_step(accumulate=2)  # only memwrap accumulates: fine
+
+def assert_same_weights(got, want):
+    for p, q in zip(got.parameters(), want.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("acc_steps, accumulate, order, wrap_kw", [
+    (1, 4, "prepare, then wrap", {}),  # memwrap accumulates
+    (2, 1, "prepare, then wrap", {}),  # accelerate accumulates; memwrap passes each step() on
+    (2, 1, "wrap, then prepare", {}),
+    (2, 1, "wrap, then prepare", {"max_grad_norm": 0.1}),  # memwrap clips the whole window accelerate closes
+    (1, 2, "wrap, then prepare", {"max_grad_norm": 0.1}),
+])
+def test_one_accumulation_in_an_accelerate_loop_equals_the_big_batch(acc_steps, accumulate, order, wrap_kw):
+    pytest.importorskip("accelerate")
+    got = accelerate_loop(acc_steps, accumulate, order, **wrap_kw)
+    assert_same_weights(got, big_batch_update(wrap_kw.get("max_grad_norm")))
+
+
+@pytest.mark.parametrize("wrap_kw, named", [
+    ({"accumulate": 2}, "accumulate=2"),  # was: 0.5x the big batch's update, no error
+    ({"max_grad_norm": 0.1}, "max_grad_norm=0.1"),  # was: each partial gradient clipped
+])
+def test_memwrap_window_work_on_a_prepared_accumulating_optimizer_is_refused_at_wrap(wrap_kw, named):
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    net = _net()
+    model, opt = Accelerator(cpu=True, gradient_accumulation_steps=2).prepare(net, torch.optim.SGD(net.parameters(),
+                                                                                                    lr=0.1))
+    with pytest.raises(ValueError, match=rf"AcceleratedOptimizer \(around SGD\) of an Accelerator\(gradient_"
+                                         rf"accumulation_steps=2\).*{named}.*Fix: .*wrap\(\) before accelerator"):
+        memwrap.wrap(model, opt, **wrap_kw)
+    assert memwrap.wrap(model, opt) is not None  # the refused call left nothing behind
+
+
+def test_accumulation_in_memwrap_inside_a_prepared_wrapper_is_refused_at_the_first_step():
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    net, before = _net(), _net()
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model, opt = acc.prepare(*memwrap.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), accumulate=2))
+    with acc.accumulate(model):  # accelerate's first micro-batch: its wrapper does not call memwrap's step()
+        acc.backward(model(X[:4]).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+    with acc.accumulate(model):  # accelerate's window closes: memwrap's first step() sees the wrapper
+        acc.backward(model(X[4:]).pow(2).mean())
+        with pytest.raises(ValueError, match="accumulate=2 and accelerate's gradient_accumulation_steps=2 are both"):
+            opt.step()
+    assert_same_weights(net, before)  # nothing was applied
+
+
+def test_a_plain_loop_after_an_accelerate_run_is_not_refused():
+    # accelerate's gradient state is process-wide and outlives a run: it is read only through an object that wraps
+    # this very optimizer.
+    pytest.importorskip("accelerate")
+    accelerate_loop(2, 1, "wrap, then prepare")
+    net = _net()
+    model, opt = memwrap.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), accumulate=2)
+    for x, y in zip(X.chunk(2), Y.chunk(2)):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert_same_weights(net, big_batch_update())
+
+
+def test_the_first_step_keeps_none_of_its_callers_locals_alive():
+    # The old check read the callers' frames (f_locals), whose snapshot kept a deleted model alive.
+    import gc
+    import weakref
+
+    def train():
+        net = torch.nn.Linear(4, 1)
+        model, opt = memwrap.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), accumulate=2)
+        model(X).sum().backward()
+        opt.step()
+        dropped = weakref.ref(net)
+        del net, model, opt
+        gc.collect()
+        return dropped() is None  # asked while this frame still runs
+
+    assert train()
 
 
 def test_a_wrapped_pair_handed_to_trainer_with_its_own_accumulation_is_refused(tmp_path):
@@ -209,7 +310,7 @@ def test_a_wrapped_pair_handed_to_trainer_with_its_own_accumulation_is_refused(t
     ids = torch.randint(0, 128, (12, 8), generator=torch.Generator().manual_seed(0))
     trainer = Trainer(model=wm, args=hf_args(tmp_path, remove_unused_columns=False), optimizers=(wo, None),
                       train_dataset=[{"input_ids": x, "labels": x} for x in ids])
-    with pytest.raises(ValueError, match="accumulate=2 and the trainer's gradient_accumulation_steps=2"):
+    with pytest.raises(ValueError, match="accumulate=2 and the Trainer's gradient_accumulation_steps=2"):
         trainer.train()
 
 
@@ -250,3 +351,62 @@ def test_trainer_sees_the_wrapped_models_own_signature(tmp_path, remove_unused_c
     train(wrapped)
     for p, q in zip(plain.parameters(), wrapped.module.parameters(), strict=True):
         torch.testing.assert_close(q, p, rtol=0, atol=0)
+
+
+# --- step_in_backward and accelerate (issue 22 item 32) ----------------------------------------------------------
+
+def test_step_in_backward_on_a_prepared_optimizer_names_accelerate_and_the_order_that_works():
+    # Was: "use torch.optim.AdamW", although the user's optimizer is AdamW inside accelerate's wrapper.
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    net = _net()
+    model, opt = Accelerator(cpu=True).prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    with pytest.raises(ValueError, match=r"AcceleratedOptimizer around AdamW.*Fix: wrap\(\) before "
+                                         r"accelerator.prepare\(\)"):
+        memwrap.wrap(model, opt, step_in_backward=True)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_step_in_backward_wrapped_before_prepare_trains_like_plain_adamw(accumulate):
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    plain = _net()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    for x, y in zip(X.chunk(2), Y.chunk(2)):  # two updates
+        torch.nn.functional.mse_loss(plain(x), y).backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+
+    net = _net()
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=1)
+    model, opt = acc.prepare(*memwrap.wrap(net, torch.optim.AdamW(net.parameters(), lr=1e-2), accumulate=accumulate,
+                                           step_in_backward=True))
+    for x, y in zip(X.chunk(2 * accumulate), Y.chunk(2 * accumulate)):
+        with acc.accumulate(model):
+            acc.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+    assert_same_weights(net, plain)
+
+
+@pytest.mark.parametrize("accumulate, match", [
+    # memwrap's step() is not called on accelerate's first micro-batch: the second backward is refused at once
+    (1, "a second backward pass through the wrapped model's outputs"),
+    (2, r"step_in_backward=True inside a loop that accumulates \(accelerate's gradient_accumulation_steps=2\)"),
+])
+def test_step_in_backward_inside_an_accumulating_accelerate_loop_is_refused(accumulate, match):
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    net = _net()
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model, opt = acc.prepare(*memwrap.wrap(net, torch.optim.AdamW(net.parameters(), lr=1e-2), accumulate=accumulate,
+                                           step_in_backward=True))
+    with pytest.raises(ValueError if accumulate > 1 else RuntimeError, match=match):
+        for x, y in zip(X.chunk(4), Y.chunk(4)):
+            with acc.accumulate(model):
+                acc.backward(torch.nn.functional.mse_loss(model(x), y))
+                opt.step()
+                opt.zero_grad()

@@ -1,0 +1,176 @@
+"""Accumulation counted outside memwrap: accelerate's ``AcceleratedOptimizer`` and Hugging Face ``Trainer``.
+
+An ``AcceleratedOptimizer`` steps and clears its optimizer only when accelerate's gradient state closes a window
+(``Accelerator(gradient_accumulation_steps=N)``), and ``accelerator.backward`` divides each loss by ``N``; Trainer
+calls ``optimizer.step()`` once per ``gradient_accumulation_steps`` micro-batches and divides the loss itself. memwrap's
+``accumulate=`` on top weights every micro-batch a second time (``accumulate=2`` under ``N=2``: an update of 0.5x the
+big batch's), and memwrap's window-end work (clipping, fp16 unscaling, a wrapped scheduler) would run on windows the
+outer loop does not close. Each such combination is refused, naming both settings and the fix.
+
+Detection reads the objects, never stack frames (walking callers' frames missed memwrap wrapping the
+``AcceleratedOptimizer``, and reading their locals kept deleted models alive):
+
+* at ``wrap()``: the optimizer passed is an ``AcceleratedOptimizer`` (``accelerator.prepare`` came first); its
+  ``gradient_state.num_steps`` is accelerate's accumulation;
+* at the first ``step()`` (``wrap()`` came first, then ``accelerator.prepare`` or ``Trainer``): the objects that hold
+  memwrap's optimizer are looked up once among its referrers (``gc.get_referrers``): an ``AcceleratedOptimizer``
+  whose ``optimizer`` it is, and a ``Trainer`` holding that (``args.gradient_accumulation_steps``; Trainer sets
+  accelerate's own ``num_steps`` to 1 and accumulates itself).
+
+accelerate's state is process-wide and outlives a run, so it is read only through an object that wraps this very
+optimizer: a plain loop after a Trainer or accelerate run is never refused. Neither library is imported here: their
+objects can exist only once they are.
+
+Example:
+    >>> outer_accumulation(torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1))
+    (1, '')
+"""
+from __future__ import annotations
+
+import gc
+import sys
+from typing import Any
+
+import torch
+
+__all__ = ["accelerated_optimizer", "check_prepared_optimizer", "check_outer_accumulation", "outer_accumulation"]
+
+
+def _accelerated_type() -> type | None:
+    module = sys.modules.get("accelerate.optimizer")
+    return getattr(module, "AcceleratedOptimizer", None)
+
+
+def _steps(accelerated: Any) -> int:
+    """accelerate's gradient_accumulation_steps as ``accelerated`` reads it (its shared gradient state)."""
+    try:
+        return max(1, int(accelerated.gradient_state.num_steps))
+    except (AttributeError, TypeError, ValueError):  # another accelerate layout: nothing accumulates there
+        return 1
+
+
+def accelerated_optimizer(optimizer: Any) -> Any:
+    """The ``AcceleratedOptimizer`` that ``optimizer`` is, or None.
+
+    Example:
+        >>> accelerated_optimizer(torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)) is None
+        True
+    """
+    cls = _accelerated_type()
+    return optimizer if cls is not None and isinstance(optimizer, cls) else None
+
+
+def _holders(obj: Any, kind: type, attribute: str) -> list[Any]:
+    """Instances of ``kind`` whose ``attribute`` is ``obj``, among ``obj``'s referrers (one scan of the heap).
+
+    An instance whose attributes live in a materialized ``__dict__`` is referred to through that dict: only a dict
+    holding ``obj`` under ``attribute`` is followed, to its owner (one more scan, rarely needed).
+    """
+    found = []
+    for ref in gc.get_referrers(obj):
+        if isinstance(ref, kind):
+            if getattr(ref, attribute, None) is obj:
+                found.append(ref)
+        elif type(ref) is dict and ref.get(attribute) is obj:
+            found.extend(owner for owner in gc.get_referrers(ref)
+                         if isinstance(owner, kind) and getattr(owner, "__dict__", None) is ref)
+    return found
+
+
+def outer_accumulation(optimizer: torch.optim.Optimizer) -> tuple[int, str]:
+    """``(steps, who)``: the accumulation an outer accelerate or Trainer loop applies around ``optimizer``.
+
+    ``steps`` is 1 when nothing accumulates outside memwrap. Looked up once, at the first ``step()``.
+
+    Example:
+        >>> outer_accumulation(torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1))
+        (1, '')
+    """
+    accelerated_cls = _accelerated_type()
+    trainer_cls = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)
+    steps, who = 1, ""
+    held = [optimizer]  # what a Trainer may hold: memwrap's optimizer, or accelerate's wrapper of it
+    if accelerated_cls is not None:
+        for outer in _holders(optimizer, accelerated_cls, "optimizer"):
+            held.append(outer)
+            if _steps(outer) > steps:
+                steps, who = _steps(outer), f"accelerate's gradient_accumulation_steps={_steps(outer)}"
+    if trainer_cls is not None:  # Trainer sets accelerate's num_steps to 1 and calls step() once per window itself
+        for obj in held:
+            for trainer in _holders(obj, trainer_cls, "optimizer"):
+                n = getattr(getattr(trainer, "args", None), "gradient_accumulation_steps", 1)
+                if isinstance(n, int) and n > steps:
+                    steps, who = n, f"the Trainer's gradient_accumulation_steps={n}"
+    return steps, who
+
+
+def check_outer_accumulation(optimizer: torch.optim.Optimizer, accumulate: int, step_in_backward: bool = False,
+                             wrapper: Any = None) -> None:
+    """Refuse, at the first ``step()``, memwrap's accumulation (or step in backward) inside an accumulating loop.
+
+    ``optimizer`` is the one memwrap wraps; ``wrapper`` memwrap's ``WrappedOptimizer`` (what ``accelerator.prepare``
+    or Trainer wrap after ``wrap()``).
+
+    Example:
+        >>> check_outer_accumulation(torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1), 2)
+    """
+    if accumulate == 1 and not step_in_backward:
+        return
+    inner = accelerated_optimizer(optimizer)
+    steps, who = (_steps(inner), f"accelerate's gradient_accumulation_steps={_steps(inner)}") if inner else (1, "")
+    if steps == 1 and wrapper is not None:
+        steps, who = outer_accumulation(wrapper)
+    if steps == 1:
+        return
+    if step_in_backward:
+        raise ValueError(
+            f"step_in_backward=True inside a loop that accumulates ({who}): memwrap updates each parameter in every "
+            "backward pass, while the loop means one update per window (the first backward already updated the "
+            "parameters). Fix: set the loop's accumulation to 1 and pass memwrap accumulate= instead "
+            "(Accelerator(gradient_accumulation_steps=1) / TrainingArguments(gradient_accumulation_steps=1)), or drop "
+            "step_in_backward.")
+    raise ValueError(
+        f"memwrap's accumulate={accumulate} and {who} are both active: every update would cover accumulate x "
+        "gradient_accumulation_steps micro-batches, each loss divided by both, while the loop counts only its own "
+        "window. This step() was not applied. Fix: keep one of "
+        "them: accumulate=1 (the loop accumulates; memwrap still clips and checks at its window's end), or the loop's "
+        "gradient_accumulation_steps=1 and memwrap's accumulate=; inside Hugging Face Trainer use "
+        "memwrap.integrations.transformers.memwrap_trainer_kwargs with Trainer's gradient_accumulation_steps and pass "
+        "Trainer the unwrapped model.")
+
+
+def check_prepared_optimizer(optimizer: Any, opts: Any, precision: Any, schedulers: list[Any]) -> None:
+    """Refuse, at ``wrap()``, what memwrap would do on windows an ``AcceleratedOptimizer`` does not close.
+
+    After ``accelerator.prepare`` with ``gradient_accumulation_steps=N > 1`` the optimizer passed to ``wrap()`` steps
+    only once per ``N`` micro-batches. memwrap's window-end work would then run mid-window: a second accumulation
+    (``accumulate=``), clipping or fp16 unscaling of a partial gradient, a wrapped scheduler stepping per micro-batch.
+    With ``accumulate=1`` and none of those, memwrap passes each ``step()`` on and accelerate decides: allowed.
+
+    Example:
+        >>> check_prepared_optimizer(None, None, None, [])  # not an AcceleratedOptimizer: nothing to check
+    """
+    accelerated = accelerated_optimizer(optimizer)
+    if accelerated is None:
+        return
+    steps = _steps(accelerated)
+    if steps == 1:
+        return
+    clashes = [text for text, on in (
+        (f"accumulate={opts.accumulate} (a second accumulation: updates of 1/{opts.accumulate} of the big batch's)",
+         opts.accumulate > 1),
+        (f"max_grad_norm={opts.max_grad_norm} (would clip each partial gradient)", opts.max_grad_norm is not None),
+        (f"precision={opts.precision!r} (its loss scale would unscale each partial gradient)",
+         getattr(precision, "uses_scaler", False)),
+        ("the LR scheduler passed to wrap() (it would step once per micro-batch)", bool(schedulers)),
+    ) if on]
+    if not clashes:
+        return
+    raise ValueError(
+        f"wrap() got accelerate's AcceleratedOptimizer (around {type(accelerated.optimizer).__name__}) of an "
+        f"Accelerator(gradient_accumulation_steps={steps}): it updates once per {steps} micro-batches and "
+        f"accelerator.backward() divides each loss by {steps}, while memwrap's window ends at every step(): "
+        f"{'; '.join(clashes)}. Fix: let one of them accumulate: Accelerator(gradient_accumulation_steps=1) with "
+        "memwrap's accumulate=<your window>; or wrap() before "
+        "accelerator.prepare() with accumulate=1, so that accelerate calls memwrap's step() only when its window "
+        "closes (then memwrap's clipping, loss scale and scheduler act on whole windows).")
