@@ -233,7 +233,7 @@ class StepInBackward:
         """
         if not self.gate.closes_window():
             return
-        task = torch._C._current_graph_task_id()
+        task = _graph_task_id()
         if task < 0:  # not inside a backward pass (memwrap.backward marks the micro-batch before it starts one)
             return
         if self._stepped and task != self._task:
@@ -266,7 +266,7 @@ class StepInBackward:
             # gradient), and a non-finite gradient is replaced by zeros so the parameter stays finite. finish_window
             # reads all flags at once, the step's one host-device sync. The same ops run on the planner's fake
             # tensors, so their memory is traced.
-            finite = torch.isfinite(_total_norm([grad]))
+            finite = torch.isfinite(_total_norm([grad]) if grad.is_sparse else torch.linalg.vector_norm(grad))
             (grad._values() if grad.is_sparse else grad).masked_fill_(finite.logical_not(), 0)
             self._flags.append((id(param), finite))
             self._steppers[id(param)].step()
@@ -325,6 +325,12 @@ class _Hook:
         owner = self.owner()
         if owner is not None:
             owner._on_gradient(param)
+
+
+def _graph_task_id() -> int:
+    """The running backward pass's id (-1 outside one): torch's own, as torch.utils.checkpoint reads it."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current() if current is not None else -1  # a torch without it: the check in _on_gradient still holds
 
 
 def _remove_handles(handles: list, hooks: dict) -> None:
