@@ -40,6 +40,10 @@ class Options:
     budget: int | None = None  # bytes one device may use: micro-batch and unset options planned per batch (memwrap.budget_plan)
     margin: Any = None  # room kept free beyond the predicted peak under budget= (memwrap.memory.planner.Margin.parse)
     budget_may_change: tuple[str, ...] = ()  # options budget= may choose besides checkpointing: "precision", "optim"
+    # Settings of the optim= optimizer your optimizer has no counterpart for, under Trainer's names: GaLore/APOLLO's
+    # target nn.Linear layers, and optim_args ("rank=64,scale=0.25" or a dict) parsed as Trainer parses them.
+    optim_target_modules: Any = None
+    optim_args: Any = None
 
     def to_kwargs(self) -> dict[str, Any]:
         """The options that differ from the defaults, ready for ``wrap(**kwargs)``."""
@@ -140,6 +144,7 @@ def _validate(values: dict[str, Any]) -> None:
         )
     if values.get("optim") is not None:
         require_name(values["optim"], "optim", "optim={0}", "adamw_8bit")
+    _validate_optim_settings(values)
     mode = values.get("on_nonfinite", "skip")
     if mode not in ON_NONFINITE:
         raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {mode!r}.{closest_hint(mode, ON_NONFINITE)}")
@@ -155,6 +160,26 @@ def _validate(values: dict[str, Any]) -> None:
     monitor = values.get("monitor")
     if monitor is not None and (isinstance(monitor, bool) or not isinstance(monitor, numbers.Integral) or monitor < 1):
         raise ValueError(f"monitor must be None or an int >= 1 (log memory every k updates), got {monitor!r}.")
+
+
+def _validate_optim_settings(values: dict[str, Any]) -> None:
+    """``optim_target_modules=`` / ``optim_args=`` belong to ``optim=`` and are checked against it (memwrap.registry)."""
+    targets, optim_args = values.get("optim_target_modules"), values.get("optim_args")
+    if isinstance(targets, list):
+        values["optim_target_modules"] = targets = tuple(targets)  # Options is frozen: a hashable value
+    if isinstance(optim_args, dict):
+        values["optim_args"] = optim_args = tuple(sorted(optim_args.items()))
+    if targets is None and not optim_args:
+        return
+    if values.get("optim") is None:
+        given = "optim_target_modules" if targets is not None else "optim_args"
+        raise ValueError(f"{given}= sets up the optimizer that optim= builds, and no optim= was given. Fix: add "
+                         "optim='galore_adamw' (or another name), or set it on the optimizer you build yourself "
+                         "(memwrap.create_optimizer(name, model, target_modules=..., rank=...)).")
+    from memwrap.registry import conversion_hyperparameters
+
+    conversion_hyperparameters(values["optim"], optim_args=dict(optim_args) if isinstance(optim_args, tuple)
+                               else optim_args, target_modules=targets)
 
 
 def _validate_budget(values: dict[str, Any]) -> None:
@@ -201,6 +226,9 @@ def options_from(training_args: Any) -> dict[str, Any]:
         del found["optim"]
     if "gradient_checkpointing" in found:
         found.pop("activation_checkpointing", None)  # transformers 5 keeps both names for one setting
+    if "optim" in found:  # the chosen optimizer's own settings, under Trainer's names (GaLore's targets, optim_args)
+        found.update({n: getattr(training_args, n) for n in ("optim_target_modules", "optim_args")
+                      if getattr(training_args, n, None)})
     parse_options(**found)  # validate now, so a bad TrainingArguments fails here and not inside wrap()
     return found
 

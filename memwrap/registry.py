@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import re
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from memwrap.state_size import measure_state_bytes, predict_state_bytes, scalar_
 __all__ = [
     "OptimizerSpec", "OptimizerRow", "OptimizerUnavailableError", "OptimizerConflictError",
     "UnknownOptimizerError", "ConversionWarning", "get_optimizer_spec", "create_optimizer",
-    "optimizers", "convert_optimizer", "predict_state_bytes", "measure_state_bytes", "scalar_step_bytes", "spec_plugin",
+    "optimizers", "convert_optimizer", "conversion_hyperparameters", "predict_state_bytes", "measure_state_bytes", "scalar_step_bytes", "spec_plugin",
 ]
 
 # Where an optimizer's state can live (OptimizerSpec.state_location), for the planner's memory categories.
@@ -84,6 +85,18 @@ class OptimizerSpec:
         defaults: hyperparameters passed to ``factory`` unless the caller overrides them.
         carries: param-group keys that keep their meaning when converting from AdamW-style groups; the kernel
             flags ``fused``/``foreach`` listed here are passed on when the source optimizer set them explicitly.
+        group_keys: ``(carried: dict) -> dict`` rewrites the carried hyperparameters of one converted param group
+            into the keys this optimizer's param groups read, where they differ from torch's (torch-optimi reads
+            ``beta1``/``beta2``, not ``betas``; bitsandbytes' RMSprop reads ``betas=(alpha, momentum)``). None: the
+            same keys. Every key a conversion puts in a group must be one the optimizer reads (one of its
+            ``defaults``), or the conversion warns that it has no effect.
+        optim_args: the keys of Hugging Face's ``optim_args`` (``"k1=v1,k2=v2"`` or a dict) this optimizer takes,
+            each with its parser (``{"rank": int}``): read by ``trainer_kwargs`` and by ``wrap(optim_args=...)``.
+        takes_target_modules: builds low-rank projections for chosen ``nn.Linear`` layers and takes
+            ``target_modules`` (Trainer's ``optim_target_modules``), as GaLore and APOLLO do.
+        check_hyperparameters: ``(hyperparameters) -> None`` raises ``ValueError`` naming a value this optimizer
+            cannot take and the fix (GaLore's ``rank=0``), before anything is built; memwrap itself checks ``lr``,
+            ``betas``, ``eps``, ``weight_decay``, ``momentum`` and ``dampening`` for every optimizer.
         fused, paged: capability flags (a fused kernel where supported; paged state on CUDA).
         state_location: where the optimizer state lives, for the planner: ``"device"`` (ordinary device memory),
             ``"paged"`` (CUDA unified memory: it uses device memory left free and spills to host RAM under
@@ -122,6 +135,10 @@ class OptimizerSpec:
     available: Callable[[], tuple[bool, str]] = _always_available
     defaults: Mapping[str, Any] = field(default_factory=dict)
     carries: frozenset[str] = frozenset({"lr", "weight_decay"})
+    group_keys: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    optim_args: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
+    takes_target_modules: bool = False
+    check_hyperparameters: Callable[[dict[str, Any]], None] | None = None
     fused: bool = False
     paged: bool = False
     scaler_ok: bool = True
@@ -175,12 +192,12 @@ class OptimizerSpec:
             >>> spec.convert_group({"params": [], "lr": 0.1, "amsgrad": True}, {"lr": 1, "amsgrad": False})
             ({'params': [], 'lr': 0.1}, {'amsgrad': 'amsgrad=True'})
         """
-        new, dropped = {"params": group["params"]}, {}
+        new, dropped, carried = {"params": group["params"]}, {}, {}
         for key, value in group.items():
             if key == "params" or key in _IMPLEMENTATION_FLAGS:
                 continue
             if key in self.carries:
-                new[key] = value
+                carried[key] = value
             elif key not in source_defaults:
                 new[key] = value  # user metadata ("name", scheduler's "initial_lr"): keep it
             elif key not in _NEUTRAL or value != _NEUTRAL[key]:
@@ -188,6 +205,7 @@ class OptimizerSpec:
         if group.get("decoupled_weight_decay") is False and group.get("weight_decay") and "weight_decay" in self.carries:
             dropped["weight_decay"] = (f"weight_decay={group['weight_decay']!r} (coupled L2 in the source, decoupled "
                                        f"in {self.name}: value carried, meaning changed)")
+        new.update(self.group_keys(dict(carried)) if self.group_keys is not None and carried else carried)
         return new, dropped
 
 
@@ -266,6 +284,8 @@ _FIELD_RULES = {
     "factory": FieldRule(check=_check_optimizer, caller_errors=True),
     "bind_model": FieldRule(caller_errors=True),
     "trainer_kwargs": FieldRule(caller_errors=True),  # its ValueError names the user's optim_args
+    "check_hyperparameters": FieldRule(caller_errors=True),  # its ValueError names the caller's bad value
+    "group_keys": FieldRule(),
 }
 
 
@@ -334,13 +354,41 @@ def _split_model(params, model):
     return params, model
 
 
+def _known_keywords(spec: OptimizerSpec) -> set[str]:
+    return {*spec.carries, *spec.defaults, *spec.optim_args, *(("target_modules",) if spec.takes_target_modules else ())}
+
+
+def _validate(spec: OptimizerSpec, params, hyperparameters: Mapping[str, Any]) -> None:
+    """Every check that needs no model and builds nothing: memwrap's own, then the plugin's."""
+    from memwrap.optimizer_args import check_hyperparameters
+
+    check_hyperparameters(spec.name, hyperparameters)
+    if not isinstance(params, (nn.Module, torch.Tensor)) and isinstance(params, (list, tuple)):
+        for i, group in enumerate(params):
+            if isinstance(group, Mapping):
+                check_hyperparameters(spec.name, group, f" (param group {i})")
+    if spec.check_hyperparameters is not None:
+        spec.check_hyperparameters(dict(hyperparameters))
+
+
 def _build(spec: OptimizerSpec, params, model: nn.Module | None, hyperparameters: dict) -> torch.optim.Optimizer:
-    if not spec.needs_model:
-        return spec.factory(params, **hyperparameters)
-    if model is None:
+    if spec.needs_model and model is None:
         raise ValueError(f"optimizer {spec.name!r} needs the model, not only its parameters (it picks modules or hooks "
                          f"parameters). Fix: memwrap.create_optimizer({spec.name!r}, model, ...) or pass model=model.")
-    return spec.factory(params, model=model, **hyperparameters)
+    try:
+        if not spec.needs_model:
+            return spec.factory(params, **hyperparameters)
+        return spec.factory(params, model=model, **hyperparameters)
+    except TypeError as exc:
+        # A misspelt keyword reaches the backend's constructor, which refuses it before doing anything: name it
+        # with the closest hyperparameter this optimizer takes.
+        found = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
+        if found is None or found.group(1) not in hyperparameters:
+            raise
+        key = found.group(1)
+        raise TypeError(f"optimizer {spec.name!r} takes no hyperparameter {key!r}."
+                        f"{closest_hint(key, _known_keywords(spec))} Fix: remove it or correct its name (the "
+                        f"backend said: {exc}).") from exc
 
 
 def create_optimizer(name: str, params, *, model: nn.Module | None = None, **hyperparameters) -> torch.optim.Optimizer:
@@ -355,36 +403,112 @@ def create_optimizer(name: str, params, *, model: nn.Module | None = None, **hyp
     spec = get_optimizer_spec(name)
     _require_available(spec)
     params, model = _split_model(params, model)
-    optimizer = _build(spec, params, model, {**spec.defaults, **hyperparameters})
+    if not isinstance(params, (list, tuple, torch.Tensor)):
+        params = list(params)  # a generator, read once here for the checks and once by the optimizer
+    hyperparameters = {**spec.defaults, **hyperparameters}
+    _validate(spec, params, hyperparameters)
+    optimizer = _build(spec, params, model, hyperparameters)
     if model is not None and spec.bind_model is not None:
         spec.bind_model(optimizer, model)
     return optimizer
 
 
-def convert_optimizer(optimizer: torch.optim.Optimizer, name: str, *, model: nn.Module | None = None) -> torch.optim.Optimizer:
+def conversion_hyperparameters(name: str, *, optim_args: Any = None, target_modules: Any = None) -> dict[str, Any]:
+    """The hyperparameters ``wrap(optim=name, optim_args=..., optim_target_modules=...)`` adds to a conversion.
+
+    ``optim_args`` (Trainer's ``"k1=v1,k2=v2"`` or a dict) are parsed as Trainer parses them for ``name``; keys
+    the optimizer does not take, and keys your optimizer already sets (``lr``, ``betas``, ... carry over from
+    it), raise ``ValueError``. ``target_modules`` is for GaLore/APOLLO only. Checks every value; builds nothing.
+
+    Example:
+        >>> conversion_hyperparameters("galore_adamw", optim_args="rank=4", target_modules=["q_proj"])
+        {'rank': 4, 'target_modules': ['q_proj']}
+    """
+    from memwrap.optimizer_args import typed_optim_args
+
+    spec = get_optimizer_spec(name)
+    found = typed_optim_args(optim_args, spec.name, spec.optim_args)
+    mine = sorted(k for k in found if k in spec.carries or (k in ("beta1", "beta2") and "betas" in spec.carries))
+    if mine:
+        raise ValueError(f"optim_args {mine} for optim={spec.name!r} are hyperparameters of the optimizer you pass to "
+                         "wrap(), which carry over to the converted one. Fix: set them on that optimizer (e.g. "
+                         "torch.optim.AdamW(params, lr=..., betas=(b1, b2))) and drop them from optim_args.")
+    if target_modules is not None:
+        if not spec.takes_target_modules:
+            raise ValueError(f"optim_target_modules={target_modules!r} is for the low-rank optimizers (GaLore, APOLLO), "
+                             f"not optim={spec.name!r}. Fix: drop it, or choose e.g. optim='galore_adamw'.")
+        if not isinstance(target_modules, (list, tuple, str)) or (
+                not isinstance(target_modules, str) and not all(isinstance(t, str) for t in target_modules)):
+            raise TypeError(f"optim_target_modules must be a list of module names or regexes, a regex string or "
+                            f"'all-linear', got {target_modules!r}.")
+        found["target_modules"] = target_modules
+    _validate(spec, [], {**spec.defaults, **found})
+    return found
+
+
+def _has_stepped(state: Mapping[str, Any]) -> bool:
+    """Whether one parameter's optimizer state comes from a step. torch's Adagrad fills its state in the constructor
+    (``sum`` at ``initial_accumulator_value``, ``step`` 0): that holds nothing a conversion would lose."""
+    if not state:
+        return False
+    step = state.get("step")
+    return step is None or float(step) != 0
+
+
+def option_hyperparameters(options: Any) -> dict[str, Any]:
+    """:func:`conversion_hyperparameters` of ``wrap()``'s validated options (``optim``, ``optim_args``,
+    ``optim_target_modules``), for :func:`convert_optimizer`.
+
+    Example:
+        >>> option_hyperparameters(memwrap.config.parse_options(optim="sgd"))  # doctest: +SKIP
+        {}
+    """
+    spec = get_optimizer_spec(options.optim)
+    if spec.takes_target_modules and options.optim_target_modules is None:
+        raise ValueError(f"optim={options.optim!r} needs target modules: the nn.Linear layers whose gradients get "
+                         f"low-rank projections. Fix: memwrap.wrap(model, optimizer, optim={options.optim!r}, "
+                         "optim_target_modules=['attn', 'mlp']) (module names or regexes, or 'all-linear'), as "
+                         "TrainingArguments(optim_target_modules=...) in Trainer.")
+    optim_args = options.optim_args
+    return conversion_hyperparameters(options.optim, optim_args=dict(optim_args) if isinstance(optim_args, tuple)
+                                      else optim_args, target_modules=options.optim_target_modules)
+
+
+def convert_optimizer(optimizer: torch.optim.Optimizer, name: str, *, model: nn.Module | None = None,
+                      **hyperparameters: Any) -> torch.optim.Optimizer:
     """Rebuild ``optimizer`` as the registered optimizer ``name``, before any step.
 
-    Param groups keep their own lr and weight_decay (and betas/eps where the target understands
-    them); every hyperparameter that does not carry over is named in one :class:`ConversionWarning`.
+    Param groups keep their own lr and weight_decay (and betas/eps, momentum, ... where the target takes them,
+    under the keys the target reads); every hyperparameter that does not carry over is named in one
+    :class:`ConversionWarning`. ``hyperparameters`` are the new optimizer's own settings that your optimizer has
+    no counterpart for (GaLore's ``target_modules`` and ``rank``, see :func:`conversion_hyperparameters`).
 
     Example:
         >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # doctest: +SKIP
         >>> opt = convert_optimizer(opt, "adamw_8bit", model=model)  # doctest: +SKIP
     """
     spec = get_optimizer_spec(name)
-    holding = [s for s in optimizer.state.values() if s]
+    holding = [s for s in optimizer.state.values() if _has_stepped(s)]
     if holding:
         raise ValueError(
             f"cannot convert {type(optimizer).__name__} to {spec.name!r}: it already holds state for {len(holding)} "
             f"parameter(s) (it has stepped), and that state cannot be translated into {spec.name}'s. Convert right "
             "after building the optimizer, before the first optimizer.step().")
     _require_available(spec)
-    groups, dropped = [], {}
+    groups, dropped, carried = [], {}, set()
     for group in optimizer.param_groups:
         new, lost = spec.convert_group(group, optimizer.defaults)
         groups.append(new)
+        # The keys this conversion wrote for the target to read (not the user's own metadata such as "name").
+        carried |= {k for k in new if k != "params" and (k in spec.carries or k not in group)}
         for key, text in lost.items():
             dropped.setdefault(key, text)
+    # A kernel choice the user made explicitly (fused=False, say, because Lightning refuses to clip with a
+    # fused AdamW under mixed precision) survives when the target takes that flag.
+    chosen = {k: optimizer.defaults[k] for k in ("fused", "foreach")
+              if k in spec.carries and optimizer.defaults.get(k) is not None}
+    construction = {**spec.defaults, **chosen, **hyperparameters}
+    _validate(spec, groups, construction)  # before the warning and the build: a refused conversion says only why
     if dropped or spec.conversion_note:
         parts = [f"converting {type(optimizer).__name__} to {spec.name!r}:"]
         if dropped:
@@ -393,11 +517,16 @@ def convert_optimizer(optimizer: torch.optim.Optimizer, name: str, *, model: nn.
         if spec.conversion_note:
             parts.append(spec.conversion_note)
         warnings.warn(" ".join(parts), ConversionWarning, stacklevel=2)
-    # A kernel choice the user made explicitly (fused=False, say, because Lightning refuses to clip with a
-    # fused AdamW under mixed precision) survives when the target takes that flag.
-    chosen = {k: optimizer.defaults[k] for k in ("fused", "foreach")
-              if k in spec.carries and optimizer.defaults.get(k) is not None}
-    new_optimizer = _build(spec, groups, model, {**spec.defaults, **chosen})
+    new_optimizer = _build(spec, groups, model, construction)
+    # A carried value under a key the new optimizer never reads would be dropped without a word (torch keeps any
+    # key in a param group): name it.
+    unread = sorted(k for k in carried if k not in new_optimizer.defaults)
+    if unread:
+        warnings.warn(f"converting {type(optimizer).__name__} to {spec.name!r}: {type(new_optimizer).__name__} does not "
+                      f"read the param-group key(s) {unread}, so those values have no effect (a plugin defect: its "
+                      "OptimizerSpec.group_keys should translate them). Fix: build the optimizer with "
+                      f"memwrap.create_optimizer({spec.name!r}, ...) and its own keyword names.",
+                      ConversionWarning, stacklevel=2)
     if model is not None and spec.bind_model is not None:
         spec.bind_model(new_optimizer, model)
     return new_optimizer

@@ -82,6 +82,9 @@ def check_wrap(objects: tuple[Any, ...], options: dict[str, Any]) -> WrapPlan:
         from memwrap.registry import get_optimizer_spec
 
         spec = get_optimizer_spec(opts.optim)  # an unknown name fails here, with its did-you-mean
+        from memwrap.registry import option_hyperparameters
+
+        option_hyperparameters(opts)  # optim_args / optim_target_modules checked against it, before anything changes
         _check_updates_in_backward(spec.name if spec.updates_in_backward else None, opts, precision, model)
     elif optimizer is not None and getattr(optimizer, "updates_in_backward", False):
         _check_updates_in_backward(type(optimizer).__name__, opts, precision, model)

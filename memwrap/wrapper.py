@@ -188,9 +188,9 @@ def _optimizer_to_step(plan: WrapPlan) -> torch.optim.Optimizer:
     equivalent). Builds new objects only; the user's optimizer is left as it is."""
     inner = plan.optimizer
     if plan.opts.optim is not None:
-        from memwrap.registry import convert_optimizer
+        from memwrap.registry import convert_optimizer, option_hyperparameters
 
-        inner = convert_optimizer(inner, plan.opts.optim, model=plan.model)
+        inner = convert_optimizer(inner, plan.opts.optim, model=plan.model, **option_hyperparameters(plan.opts))
     from memwrap.distributed import check_sharded_optimizer
 
     check_sharded_optimizer(inner)  # e.g. 8-bit bitsandbytes on FSDP2 shards: fail now, with the fix, not at step 1

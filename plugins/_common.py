@@ -20,10 +20,13 @@ from typing import Any
 
 import torch
 
+from memwrap.errors import closest_hint
+from memwrap.optimizer_args import parse_optim_args, strtobool
+from memwrap.optimizer_args import typed_optim_args as _typed
 from memwrap.registry import OptimizerUnavailableError
 
 __all__ = ["extra_hint", "module_available", "import_backend", "parse_optim_args", "typed_optim_args",
-           "adam_kwargs", "strtobool", "tensors_of"]
+           "adam_kwargs", "strtobool", "tensors_of", "check_choice", "check_whole"]
 
 
 def extra_hint(package: str, extra: str) -> str:
@@ -54,57 +57,9 @@ def import_backend(module: str, package: str, extra: str):
         raise OptimizerUnavailableError(f"{extra_hint(package, extra)} ({exc})") from exc
 
 
-def strtobool(value: Any) -> bool:
-    """Trainer's reading of a boolean in ``optim_args`` ("true"/"1"/"yes" and "false"/"0"/"no")."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("y", "yes", "t", "true", "on", "1"):
-        return True
-    if text in ("n", "no", "f", "false", "off", "0"):
-        return False
-    raise ValueError(f"not a boolean: {value!r} (use true or false)")
-
-
-def parse_optim_args(text: Any) -> dict[str, str]:
-    """Split Trainer's ``optim_args`` string ``"k1=v1,k2=v2"`` as ``transformers.trainer_optimizer`` does.
-
-    A dict is accepted too (values are then used as given).
-    """
-    if not text:
-        return {}
-    if isinstance(text, Mapping):
-        return dict(text)
-    found = {}
-    for item in str(text).replace(" ", "").split(","):
-        if item.count("=") != 1:
-            raise ValueError(f"optim_args={text!r}: {item!r} is not key=value. Fix: write optim_args as "
-                             "'key1=value1,key2=value2'.")
-        key, value = item.split("=")
-        found[key] = value
-    return found
-
-
 def typed_optim_args(args: Any, name: str, accepted: Mapping[str, Callable[[Any], Any]]) -> dict[str, Any]:
-    """``args.optim_args`` parsed and converted with ``accepted[key]``; unknown keys raise ``ValueError``.
-
-    Trainer ignores ``optim_args`` keys its handler does not read, so a typo (``momentun=0.9``)
-    trains silently without it; memwrap refuses instead and lists the keys that apply.
-    """
-    raw = parse_optim_args(getattr(args, "optim_args", None))
-    unknown = sorted(set(raw) - set(accepted))
-    if unknown:
-        valid = ", ".join(sorted(accepted)) or "none"
-        raise ValueError(f"optim_args keys {unknown} do not apply to optim={name!r} (Trainer would ignore them); "
-                         f"keys it reads: {valid}. Fix: remove them from TrainingArguments.optim_args or choose the "
-                         "optimizer they belong to.")
-    typed = {}
-    for key, value in raw.items():
-        try:
-            typed[key] = accepted[key](value)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"optim_args {key}={value!r} for optim={name!r}: {exc}") from None
-    return typed
+    """``args.optim_args`` (a ``TrainingArguments``) parsed and typed: :func:`memwrap.optimizer_args.typed_optim_args`."""
+    return _typed(getattr(args, "optim_args", None), name, accepted)
 
 
 def adam_kwargs(args: Any) -> dict[str, Any]:
@@ -119,3 +74,17 @@ def tensors_of(params: Any) -> list[torch.Tensor]:
         group = item["params"] if isinstance(item, Mapping) else item
         out.extend([group] if isinstance(group, torch.Tensor) else group)
     return out
+
+
+def check_whole(name: str, key: str, value: Any, minimum: int, why: str, example: int) -> None:
+    """Raise ``ValueError`` naming ``key`` unless ``value`` is an int >= ``minimum`` (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"optimizer {name!r}: {key}={value!r} must be a whole number >= {minimum} ({why}). Fix: e.g. "
+                         f"{key}={example}.")
+
+
+def check_choice(name: str, key: str, value: Any, choices: tuple[str, ...]) -> None:
+    """Raise ``ValueError`` naming ``key`` and its valid values unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"optimizer {name!r}: {key}={value!r} is not one of {', '.join(map(repr, choices))}."
+                         f"{closest_hint(value, choices)} Fix: {key}={choices[0]!r}.")

@@ -24,7 +24,49 @@ from torch import nn
 from ._common import tensors_of
 
 __all__ = ["is_target", "low_rank_groups", "with_projector_state", "LayerwiseOptimizer", "projected_bytes",
-           "encode_projectors", "decode_projectors", "attach_projections"]
+           "encode_projectors", "decode_projectors", "attach_projections", "check_projection", "check_keywords"]
+
+
+def check_projection(optimizer_name: str, hp: Mapping[str, Any], proj_types: tuple[str, ...]) -> None:
+    """GaLore's/APOLLO's projection settings, checked before anything is built (the libraries accept ``rank=0`` or
+    ``scale=0`` and then never update the target weights, and fail on a bad ``proj_type`` only at the first step).
+
+    Example:
+        >>> check_projection("galore_adamw", {"rank": 0}, ("std",))
+        Traceback (most recent call last):
+        ...
+        ValueError: optimizer 'galore_adamw': rank=0 must be a whole number >= 1 (directions each target weight's gradient is projected on). Fix: e.g. rank=128.
+    """
+    from memwrap.optimizer_args import is_real
+
+    from ._common import check_choice, check_whole
+
+    if "rank" in hp:
+        check_whole(optimizer_name, "rank", hp["rank"], 1, "directions each target weight's gradient is projected on",
+                    128)
+    if "update_proj_gap" in hp:
+        check_whole(optimizer_name, "update_proj_gap", hp["update_proj_gap"], 1,
+                    "optimizer steps between refreshes of the projection", 200)
+    if "scale" in hp and not (is_real(hp["scale"]) and hp["scale"] > 0):
+        raise ValueError(f"optimizer {optimizer_name!r}: scale={hp['scale']!r} must be a number > 0 (it multiplies "
+                         "every update of the target weights; 0 freezes them). Fix: e.g. scale=0.25.")
+    if "proj_type" in hp:
+        check_choice(optimizer_name, "proj_type", hp["proj_type"], proj_types)
+
+
+def check_keywords(optimizer_name: str, hp: Mapping[str, Any], cls: type, own: tuple[str, ...]) -> None:
+    """Name a keyword neither the factory (``own``) nor ``cls``'s constructor takes, before it could go unnoticed
+    (a misspelt ``target_modulez`` would otherwise surface as "needs target modules")."""
+    import inspect
+
+    from memwrap.errors import closest_hint
+
+    accepted = set(own) | {n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "params")}
+    unknown = sorted(set(hp) - accepted)
+    if unknown:
+        raise TypeError(f"optimizer {optimizer_name!r} takes no hyperparameter {unknown[0]!r}."
+                        f"{closest_hint(unknown[0], accepted)} It takes: {', '.join(sorted(accepted))}. Fix: remove it "
+                        "or correct its name.")
 
 
 def is_target(target_modules: Any, name: str) -> bool:
@@ -41,9 +83,9 @@ def low_rank_groups(optimizer_name: str, params: Any, model: nn.Module, target_m
     if target_modules is None:
         raise ValueError(f"{optimizer_name} needs target modules: the nn.Linear layers whose gradients get low-rank "
                          "projections. Fix: target_modules=['attn', 'mlp'] (module names or regexes) or "
-                         "'all-linear' (Trainer: TrainingArguments(optim_target_modules=...)). wrap(optim=...) cannot "
-                         f"pass them: build it with memwrap.create_optimizer({optimizer_name!r}, model, "
-                         "target_modules=..., lr=...) and give that optimizer to wrap() without optim=.")
+                         f"'all-linear' in memwrap.create_optimizer({optimizer_name!r}, model, target_modules=...); "
+                         f"memwrap.wrap(model, optimizer, optim={optimizer_name!r}, optim_target_modules=[...]); "
+                         "Trainer: TrainingArguments(optim_target_modules=...).")
     if not isinstance(target_modules, (list, tuple, str)):
         raise TypeError(f"{optimizer_name}: target_modules must be a list of names, a regex string or 'all-linear', "
                         f"got {target_modules!r}")

@@ -26,7 +26,8 @@ from memwrap.plugins import hookimpl
 from memwrap.registry import OptimizerSpec
 
 from ._common import adam_kwargs, import_backend, module_available, typed_optim_args
-from ._lowrank import LayerwiseOptimizer, low_rank_groups, projected_bytes, with_projector_state
+from ._lowrank import (LayerwiseOptimizer, check_keywords, check_projection, low_rank_groups, projected_bytes,
+                       with_projector_state)
 
 _AVAILABLE = module_available("apollo_torch", "apollo-torch", "apollo")
 _PROJECTION = {"rank": int, "proj": str, "scale_type": str, "update_proj_gap": int, "scale": float, "proj_type": str}
@@ -39,9 +40,25 @@ def _apollo_class() -> type:
     return with_projector_state(import_backend("apollo_torch", "apollo-torch", "apollo").APOLLOAdamW)
 
 
+PROJ_TYPES = ("std", "reverse_std", "right", "left")  # apollo_torch's random projector ("full" is not implemented)
+
+
+def check_apollo(hp: dict, name: str = "apollo_adamw") -> None:
+    """rank, update_proj_gap, scale, proj_type, proj and scale_type as APOLLO can use them."""
+    from ._common import check_choice
+
+    check_projection(name, hp, PROJ_TYPES)
+    if "proj" in hp:
+        check_choice(name, "proj", hp["proj"], ("random", "svd"))
+    if "scale_type" in hp:
+        check_choice(name, "scale_type", hp["scale_type"], ("channel", "tensor"))
+
+
 def _factory(layerwise: bool, optimizer_name: str):
     def factory(params, *, model: nn.Module, target_modules=None, target_group=None, **hp) -> torch.optim.Optimizer:
         projection = {k: hp.pop(k, v) for k, v in _PROJECTION_DEFAULTS.items()}
+        check_apollo(projection, optimizer_name)
+        check_keywords(optimizer_name, hp, _apollo_class(), ("target_modules", "target_group", *projection))
         groups = low_rank_groups(optimizer_name, params, model, target_modules, {**projection, **(target_group or {})})
         cls = _apollo_class()
         if layerwise:
@@ -77,7 +94,8 @@ def _spec(name: str, layerwise: bool) -> OptimizerSpec:
     return OptimizerSpec(
         name=name, factory=_factory(layerwise, name), state_bytes=apollo_state_bytes, available=_AVAILABLE,
         needs_model=True, updates_in_backward=layerwise, trainer_kwargs=_trainer_kwargs, scaler_ok=not layerwise,
-        carries=frozenset({"lr", "weight_decay"}), runs_on_fake=False, devices=("cpu", "cuda"),
+        carries=frozenset({"lr", "weight_decay", "betas", "eps"}), optim_args=_PROJECTION, takes_target_modules=True,
+        check_hyperparameters=lambda hp: check_apollo(hp, name), runs_on_fake=False, devices=("cpu", "cuda"),
         description="apollo-torch APOLLOAdamW: AdamW moments of a random low-rank projection scale the gradient"
                     + ("; one optimizer per parameter, stepped inside backward." if layerwise else "."))
 

@@ -116,6 +116,12 @@ def _factory(class_name: str, fixed: dict | None = None):
 
     def factory(params, **hp) -> torch.optim.Optimizer:
         bnb = _bnb()
+        if "AdEMAMix" in class_name and "beta3" in hp:
+            # optim_args' beta3 (the slow EMA) completes the betas, in the constructor and in converted groups alike
+            beta3 = hp.pop("beta3")
+            hp["betas"] = (*hp.get("betas", (0.9, 0.999))[:2], beta3)
+            params = [{**g, "betas": (*g["betas"][:2], beta3)} if isinstance(g, dict) and "betas" in g else g
+                      for g in params]
         if paged_ademamix:
             params = list(params)
             _refuse_cpu_paging(label, params)
@@ -140,17 +146,44 @@ def _lion_kwargs(name: str, args) -> dict:
     return {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2)}
 
 
+_RMSPROP_ARGS = {"alpha": float, "eps": float, "weight_decay": float, "momentum": float, "centered": strtobool}
+_ADEMAMIX_ARGS = {"beta1": float, "beta2": float, "beta3": float, "alpha": float, "eps": float, "t_alpha": int,
+                  "t_beta3": int}
+
+
 def _rmsprop_kwargs(name: str, args) -> dict:
     # Trainer hands these strings to bitsandbytes unconverted (a float option then fails inside bitsandbytes);
     # memwrap converts them as torch's rmsprop does.
-    typed = typed_optim_args(args, name, {"alpha": float, "eps": float, "weight_decay": float, "momentum": float,
-                                          "centered": strtobool})
+    typed = typed_optim_args(args, name, _RMSPROP_ARGS)
     return {"lr": args.learning_rate, **typed}
 
 
+def rmsprop_group_keys(carried: dict) -> dict:
+    """bitsandbytes' RMSprop keeps ``(alpha, momentum)`` as its groups' ``betas`` (its constructor packs them)."""
+    if "alpha" in carried:
+        carried["betas"] = (carried.pop("alpha"), 0)
+    return carried
+
+
+def check_rmsprop(hp: dict) -> None:
+    """bitsandbytes' RMSprop kernels keep one state (the square average) and never read ``momentum``."""
+    if hp.get("momentum"):
+        raise ValueError(f"optimizer 'rmsprop_bnb': momentum={hp['momentum']!r} would be ignored: bitsandbytes' RMSprop "
+                         "kernels have no momentum buffer (one state, the square average; Trainer passes it on and it "
+                         "is dropped there). Fix: momentum=0, or optim='rmsprop' (torch's RMSprop has momentum).")
+
+
+def ademamix_group_keys(carried: dict) -> dict:
+    """AdamW's two betas are AdEMAMix's first two (fast EMA, second moment); the slow EMA's beta3 keeps its default
+    (0.9999), as Trainer's ``optim="ademamix"`` does with ``adam_beta1/2``."""
+    betas = carried.get("betas")
+    if betas is not None and len(betas) == 2:
+        carried["betas"] = (*betas, 0.9999)
+    return carried
+
+
 def _ademamix_kwargs(name: str, args) -> dict:
-    given = typed_optim_args(args, name, {"beta1": float, "beta2": float, "beta3": float, "alpha": float, "eps": float,
-                                          "t_alpha": int, "t_beta3": int})
+    given = typed_optim_args(args, name, _ADEMAMIX_ARGS)
     found = {"lr": args.learning_rate,
              "betas": (given.get("beta1", args.adam_beta1), given.get("beta2", args.adam_beta2), given.get("beta3", 0.9999)),
              "alpha": given.get("alpha", 5.0), "eps": given.get("eps", args.adam_epsilon)}
@@ -188,8 +221,11 @@ PAGED_ADAMW_32BIT = _spec("paged_adamw_32bit", "PagedAdamW32bit", 2, 0, 32, _ada
                           approximates="adamw")
 
 # AdEMAMix keeps two EMAs of the gradient (fast and slow) and one of its square: three values per parameter.
-_ADEMAMIX = dict(carries=frozenset({"lr", "weight_decay"}),
-                 note="AdEMAMix's betas are three (fast EMA, second moment, slow EMA) and take its defaults.",
+_ADEMAMIX = dict(carries=frozenset({"lr", "weight_decay", "betas", "eps"}), group_keys=ademamix_group_keys,
+                 optim_args=_ADEMAMIX_ARGS,
+                 note="AdEMAMix's betas are three: your two become its fast EMA's and second moment's, the slow EMA's "
+                      "beta3 and its alpha take AdEMAMix's defaults (0.9999, 5.0; optim_args='beta3=...,alpha=...' "
+                      "sets them).",
                  what="two gradient EMAs and a second moment, ")
 # Trainer builds bnb.optim.AdEMAMix(optim_bits=32, is_paged=...) for both 32-bit names: that class keeps its two EMAs in
 # one (2, *shape) buffer and steps on CPU; bitsandbytes' AdEMAMix32bit / PagedAdEMAMix32bit allocate a single-EMA
@@ -208,8 +244,10 @@ LION_32BIT = _spec("lion_32bit", "Lion32bit", 1, 0, 32, _lion_kwargs, **_LION)
 PAGED_LION_8BIT = _spec("paged_lion_8bit", "PagedLion8bit", 1, 1, 8, _lion_kwargs, paged=True, **_LION)
 PAGED_LION_32BIT = _spec("paged_lion_32bit", "PagedLion32bit", 1, 0, 32, _lion_kwargs, paged=True, **_LION)
 
-_RMSPROP = dict(carries=frozenset({"lr", "weight_decay", "eps", "alpha", "momentum", "centered"}),
-                what="one square average, ")
+# bitsandbytes has no centered RMSprop (it raises for centered=True) and no momentum (its kernels never read it):
+# neither is carried, so a conversion names them.
+_RMSPROP = dict(carries=frozenset({"lr", "weight_decay", "eps", "alpha"}), group_keys=rmsprop_group_keys,
+                optim_args=_RMSPROP_ARGS, check_hyperparameters=check_rmsprop, what="one square average, ")
 RMSPROP_BNB = _spec("rmsprop_bnb", "RMSprop32bit", 1, 0, 32, _rmsprop_kwargs, aliases=("rmsprop_bnb_32bit",),
                     **_RMSPROP)
 RMSPROP_BNB_8BIT = _spec("rmsprop_bnb_8bit", "RMSprop8bit", 1, 1, 8, _rmsprop_kwargs, **_RMSPROP)

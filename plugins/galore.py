@@ -30,7 +30,7 @@ from memwrap.plugins import hookimpl
 from memwrap.registry import OptimizerSpec
 
 from ._common import import_backend, module_available, typed_optim_args
-from ._lowrank import LayerwiseOptimizer, low_rank_groups, with_projector_state
+from ._lowrank import LayerwiseOptimizer, check_keywords, check_projection, low_rank_groups, with_projector_state
 
 _AVAILABLE = module_available("galore_torch", "galore-torch", "galore")
 _ADAFACTOR_DEFAULTS = {"scale_parameter": False, "relative_step": False}  # as Trainer builds galore_adafactor
@@ -43,10 +43,23 @@ def _galore_class(name: str) -> type:
     return with_projector_state(getattr(galore, name))
 
 
+PROJ_TYPES = ("std", "reverse_std", "right", "left", "full")  # galore_torch.GaLoreProjector's
+
+
+def _checker(name: str):
+    def check_galore(hp: dict) -> None:
+        """rank, update_proj_gap, scale and proj_type as GaLore can use them."""
+        check_projection(name, hp, PROJ_TYPES)
+
+    return check_galore
+
+
 def _factory(class_name: str, layerwise: bool, optimizer_name: str):
     def factory(params, *, model: nn.Module, target_modules=None, rank: int = 128, update_proj_gap: int = 200,
                 scale: float = 0.25, proj_type: str = "std", **hp) -> torch.optim.Optimizer:
         projection = {"rank": rank, "update_proj_gap": update_proj_gap, "scale": scale, "proj_type": proj_type}
+        check_projection(optimizer_name, projection, PROJ_TYPES)
+        check_keywords(optimizer_name, hp, _galore_class(class_name), ("target_modules", *projection))
         groups = low_rank_groups(optimizer_name, params, model, target_modules, projection)
         if class_name == "GaLoreAdamW8bit" and any(p.device.type != "cuda" for g in groups for p in g["params"]):
             raise ValueError(f"{optimizer_name} runs galore-torch's 8-bit kernels, which need CUDA tensors; this model "
@@ -112,9 +125,12 @@ def adafactor_state_bytes(param: torch.Tensor, module=None, *, rank: int = 128, 
     return (second + (param.numel() if beta1 is not None else 0) + 1) * size
 
 
+_ARGS = {"rank": int, "update_proj_gap": int, "scale": float, "proj_type": str}
+
+
 def _trainer_kwargs(name: str, args) -> dict:
     """transformers' ``_get_galore_optimizer``: lr, the projection from ``optim_args``, ``optim_target_modules``."""
-    given = typed_optim_args(args, name, {"rank": int, "update_proj_gap": int, "scale": float, "proj_type": str})
+    given = typed_optim_args(args, name, _ARGS)
     if name.endswith("layerwise") and getattr(args, "gradient_accumulation_steps", 1) != 1:
         raise ValueError(f"{name} updates each parameter inside backward and cannot accumulate gradients "
                          f"(gradient_accumulation_steps={args.gradient_accumulation_steps}). Fix: set it to 1, or use "
@@ -131,7 +147,11 @@ def _spec(name: str, class_name: str, state_bytes, *, layerwise: bool, devices=(
         name=name, factory=_factory(class_name, layerwise, name), state_bytes=state_bytes, available=_AVAILABLE,
         needs_model=True, updates_in_backward=layerwise, trainer_kwargs=_trainer_kwargs,
         defaults=dict(_ADAFACTOR_DEFAULTS) if "adafactor" in name else {},
-        carries=frozenset({"lr", "weight_decay"}), runs_on_fake=False, devices=devices,
+        # GaLore's AdamWs read torch's betas/eps (the 8-bit one bitsandbytes'); its Adafactor is transformers', whose
+        # eps is a pair and whose beta1 is not Adam's: those two carry lr and weight_decay only.
+        carries=frozenset({"lr", "weight_decay"} if "adafactor" in name else {"lr", "weight_decay", "betas", "eps"}),
+        optim_args=_ARGS, takes_target_modules=True, check_hyperparameters=_checker(name),
+        runs_on_fake=False, devices=devices,
         # a layer-wise step cannot be skipped after the fact, so an inf gradient from GradScaler would be applied
         scaler_ok=not layerwise,
         description=f"galore-torch {class_name}: low-rank projected moments for target linears"

@@ -60,10 +60,13 @@ def grokadamw_state_bytes(param: torch.Tensor, module=None, **hp) -> int:
     return 3 * param.numel() * param.element_size()
 
 
+_ARGS = {"alpha_init": float, "lamb": float, "gamma": float, "grokking_signal_decay_rate": float,
+         "gradient_clipping": float}
+
+
 def _trainer_kwargs(name: str, args) -> dict:
     """transformers' ``_get_grokadamw``: lr and five ``optim_args`` (Adam's betas/eps are not passed)."""
-    given = typed_optim_args(args, name, {"alpha_init": float, "lamb": float, "gamma": float,
-                                          "grokking_signal_decay_rate": float, "gradient_clipping": float})
+    given = typed_optim_args(args, name, _ARGS)
     defaults = {"alpha_init": 0.98, "lamb": 2.0, "gamma": 0.1, "grokking_signal_decay_rate": 0.1,
                 "gradient_clipping": 1.0}
     return {"lr": args.learning_rate, **defaults, **given}
@@ -71,7 +74,7 @@ def _trainer_kwargs(name: str, args) -> dict:
 
 GROKADAMW = OptimizerSpec(
     name="grokadamw", factory=make_grokadamw, state_bytes=grokadamw_state_bytes,
-    available=module_available("grokadamw", "grokadamw", "grokadamw"), trainer_kwargs=_trainer_kwargs,
+    available=module_available("grokadamw", "grokadamw", "grokadamw"), trainer_kwargs=_trainer_kwargs, optim_args=_ARGS,
     carries=frozenset({"lr", "weight_decay", "betas", "eps"}), runs_on_fake=False, devices=("cpu", "cuda"),
     description="GrokAdamW: AdamW plus an amplified slow gradient EMA (3 values/param, kept on the CPU).")
 

@@ -37,22 +37,38 @@ from ._common import import_backend, module_available, tensors_of, typed_optim_a
 _AVAILABLE = module_available("lomo_optim", "lomo-optim", "lomo")
 
 
-def _lr_property():
-    # lomo-optim reads ``self.lr`` inside its hooks and sets it in fused_backward(); keeping it in the param
-    # group lets torch's LR schedulers (which write param_groups) drive it.
+def _group_property(key: str):
+    # lomo-optim reads ``self.lr`` / ``self.weight_decay`` inside its hooks (and sets lr in fused_backward()); keeping
+    # them in the param group lets torch's LR schedulers (which write param_groups) drive lr, and makes the group hold
+    # the values the hooks use (Lomo's own groups have no weight_decay).
+    initial = f"_initial_{key}"
+
     def get(self):
         groups = self.__dict__.get("param_groups")
-        return groups[0]["lr"] if groups else self.__dict__["_initial_lr"]
+        return groups[0].get(key, self.__dict__.get(initial)) if groups else self.__dict__[initial]
 
     def set_(self, value):
         groups = self.__dict__.get("param_groups")
         if groups:
             for group in groups:
-                group["lr"] = value
+                group[key] = value
         else:
-            self.__dict__["_initial_lr"] = value
+            self.__dict__[initial] = value
 
     return property(get, set_)
+
+
+def _lr_property():
+    return _group_property("lr")
+
+
+def _hold_weight_decay(optimizer) -> None:
+    """Put the weight decay given to the constructor into the groups and defaults, where conversion and schedulers
+    look for it; ``do_weight_decay`` then follows the group's value."""
+    value = optimizer.__dict__.get("_initial_weight_decay", 0.0)
+    optimizer.defaults.setdefault("weight_decay", value)
+    for group in optimizer.param_groups:
+        group.setdefault("weight_decay", value)
 
 
 @functools.cache
@@ -64,6 +80,12 @@ def _lomo_class():
 
         updates_in_backward = True
         lr = _lr_property()
+        weight_decay = _group_property("weight_decay")
+        do_weight_decay = property(lambda self: self.weight_decay > 0, lambda self, value: None)
+
+        def __init__(self, model, **hp):
+            super().__init__(model, **hp)
+            _hold_weight_decay(self)
 
         def step(self, closure=None):
             loss = None
@@ -87,6 +109,8 @@ def _adalomo_class():
 
         updates_in_backward = True
         lr = _lr_property()
+        weight_decay = _group_property("weight_decay")
+        do_weight_decay = property(lambda self: self.weight_decay > 0, lambda self, value: None)
 
         def __init__(self, model, **hp):
             self._counted = False  # whether step_num already counts the backward in progress

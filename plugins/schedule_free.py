@@ -63,9 +63,12 @@ def _moments(n: int):
     return state_bytes
 
 
+_ARGS = {"weight_lr_power": float, "r": float}
+
+
 def _trainer_kwargs(name: str, args) -> dict:
     """transformers' ``_get_schedule_free_optimizer``."""
-    given = typed_optim_args(args, name, {"weight_lr_power": float, "r": float})
+    given = typed_optim_args(args, name, _ARGS)
     found = {"lr": args.learning_rate}
     if name != "schedule_free_sgd":
         found.update(adam_kwargs(args))
@@ -79,7 +82,7 @@ def _trainer_kwargs(name: str, args) -> dict:
 def _spec(name: str, class_name: str, moments: int, carries: frozenset) -> OptimizerSpec:
     return OptimizerSpec(
         name=name, factory=_factory(class_name), state_bytes=_moments(moments), available=_AVAILABLE,
-        bind_model=follow_model_mode, trainer_kwargs=_trainer_kwargs, carries=carries, runs_on_fake=True,
+        bind_model=follow_model_mode, trainer_kwargs=_trainer_kwargs, optim_args=_ARGS, carries=carries, runs_on_fake=True,
         devices=("cpu", "cuda", "mps", "xpu"),
         description=f"schedulefree {class_name}: no LR schedule needed; train/eval weights switched with the model.")
 

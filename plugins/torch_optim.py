@@ -106,17 +106,35 @@ def _sgd_state_bytes(param: torch.Tensor, module=None, *, momentum: float = 0, *
 
 
 _FLOAT = float
+_SGD_ARGS = {"momentum": _FLOAT, "dampening": _FLOAT, "weight_decay": _FLOAT, "nesterov": strtobool}
+_ADAGRAD_ARGS = {"lr_decay": _FLOAT, "weight_decay": _FLOAT, "eps": _FLOAT}
+_RMSPROP_ARGS = {"momentum": _FLOAT, "alpha": _FLOAT, "eps": _FLOAT, "weight_decay": _FLOAT, "centered": strtobool}
 SGD = OptimizerSpec(
     name="sgd", factory=torch.optim.SGD, state_bytes=_sgd_state_bytes,
     carries=frozenset({"lr", "weight_decay", "momentum", "dampening", "nesterov", "maximize", "foreach"}),
-    trainer_kwargs=_trainer_kwargs({"momentum": _FLOAT, "dampening": _FLOAT, "weight_decay": _FLOAT,
-                                    "nesterov": strtobool}),
+    trainer_kwargs=_trainer_kwargs(_SGD_ARGS), optim_args=_SGD_ARGS,
     description="torch.optim.SGD (momentum buffer only with momentum > 0).")
 
+def make_adagrad(params, **hp) -> torch.optim.Adagrad:
+    """``torch.optim.Adagrad``; a converted group's ``initial_accumulator_value`` becomes the constructor's.
+
+    torch's Adagrad fills each parameter's ``sum`` in its constructor from the constructor's value, never from the
+    group's, so a value carried in the param groups would be ignored.
+    """
+    params = list(params)
+    values = {g["initial_accumulator_value"] for g in params if isinstance(g, Mapping) and "initial_accumulator_value" in g}
+    if len(values) > 1:
+        raise ValueError(f"adagrad: torch's Adagrad has one initial_accumulator_value for all param groups; these have "
+                         f"{sorted(values)}. Fix: give every group the same value.")
+    if values and "initial_accumulator_value" not in hp:
+        hp["initial_accumulator_value"] = values.pop()
+    return torch.optim.Adagrad(params, **hp)
+
+
 ADAGRAD = OptimizerSpec(
-    name="adagrad", factory=torch.optim.Adagrad, state_bytes=_adagrad_state_bytes,
+    name="adagrad", factory=make_adagrad, state_bytes=_adagrad_state_bytes,
     carries=frozenset({"lr", "weight_decay", "eps", "lr_decay", "initial_accumulator_value", "maximize"}),
-    trainer_kwargs=_trainer_kwargs({"lr_decay": _FLOAT, "weight_decay": _FLOAT, "eps": _FLOAT}),
+    trainer_kwargs=_trainer_kwargs(_ADAGRAD_ARGS), optim_args=_ADAGRAD_ARGS,
     description="torch.optim.Adagrad: one accumulator (4 bytes/param in fp32).")
 
 
@@ -130,8 +148,7 @@ def _rmsprop_state_bytes(param: torch.Tensor, module=None, *, momentum: float = 
 RMSPROP = OptimizerSpec(
     name="rmsprop", factory=torch.optim.RMSprop, state_bytes=_rmsprop_state_bytes,
     carries=frozenset({"lr", "weight_decay", "eps", "alpha", "momentum", "centered", "maximize", "foreach"}),
-    trainer_kwargs=_trainer_kwargs({"momentum": _FLOAT, "alpha": _FLOAT, "eps": _FLOAT, "weight_decay": _FLOAT,
-                                    "centered": strtobool}),
+    trainer_kwargs=_trainer_kwargs(_RMSPROP_ARGS), optim_args=_RMSPROP_ARGS,
     description="torch.optim.RMSprop: square average (+ momentum, + centered average).")
 
 

@@ -83,9 +83,23 @@ def anyprecision_state_bytes(param: torch.Tensor, module=None, *, use_kahan_summ
     return _moments_bytes(param, bool(use_kahan_summation))
 
 
+def optimi_group_keys(carried: dict) -> dict:
+    """optimi's param groups read ``beta1``/``beta2`` (its constructor splits ``betas``): a converted group's
+    ``betas`` would otherwise sit unread while optimi steps with its defaults (0.9, 0.99)."""
+    betas = carried.pop("betas", None)
+    if betas is not None:
+        carried["beta1"], carried["beta2"] = betas
+    return carried
+
+
+_STABLE_ARGS = {"decouple_lr": strtobool, "max_lr": float, "kahan_sum": strtobool}
+_ANYPRECISION_ARGS = {"use_kahan_summation": strtobool, "momentum_dtype": str, "variance_dtype": str,
+                      "compensation_buffer_dtype": str}
+
+
 def _stable_trainer_kwargs(name: str, args) -> dict:
     """transformers' ``_get_stable_adamw`` (its ``bool("False")`` reads as True; memwrap reads the word)."""
-    given = typed_optim_args(args, name, {"decouple_lr": strtobool, "max_lr": float, "kahan_sum": strtobool})
+    given = typed_optim_args(args, name, _STABLE_ARGS)
     return {"lr": args.learning_rate, **adam_kwargs(args), "weight_decay": args.weight_decay,
             "decouple_lr": given.get("decouple_lr", False), "max_lr": given.get("max_lr"),
             "kahan_sum": given.get("kahan_sum")}
@@ -93,21 +107,20 @@ def _stable_trainer_kwargs(name: str, args) -> dict:
 
 def _anyprecision_trainer_kwargs(name: str, args) -> dict:
     """transformers' ``_get_adamw_anyprecision``: lr, betas, eps and the four AnyPrecision options."""
-    given = typed_optim_args(args, name, {"use_kahan_summation": strtobool, "momentum_dtype": str,
-                                          "variance_dtype": str, "compensation_buffer_dtype": str})
+    given = typed_optim_args(args, name, _ANYPRECISION_ARGS)
     return {"lr": args.learning_rate, **adam_kwargs(args), **given}
 
 
 STABLE_ADAMW = OptimizerSpec(
     name="stable_adamw", factory=make_stable_adamw, state_bytes=stable_adamw_state_bytes, available=_AVAILABLE,
-    carries=frozenset({"lr", "weight_decay", "betas", "eps"}), runs_on_fake=False,
-    trainer_kwargs=_stable_trainer_kwargs, devices=("cpu", "cuda", "xpu"),
+    carries=frozenset({"lr", "weight_decay", "betas", "eps"}), group_keys=optimi_group_keys, optim_args=_STABLE_ARGS,
+    runs_on_fake=False, trainer_kwargs=_stable_trainer_kwargs, devices=("cpu", "cuda", "xpu"),
     description="torch-optimi StableAdamW (AdamW with update clipping; Kahan summation for 16-bit parameters).")
 
 ADAMW_ANYPRECISION = OptimizerSpec(
     name="adamw_anyprecision", factory=make_anyprecision_adamw, state_bytes=anyprecision_state_bytes,
-    available=_AVAILABLE, carries=frozenset({"lr", "weight_decay", "betas", "eps"}), runs_on_fake=False,
-    trainer_kwargs=_anyprecision_trainer_kwargs, devices=("cpu", "cuda", "xpu"),
+    available=_AVAILABLE, carries=frozenset({"lr", "weight_decay", "betas", "eps"}), group_keys=optimi_group_keys,
+    optim_args=_ANYPRECISION_ARGS, runs_on_fake=False, trainer_kwargs=_anyprecision_trainer_kwargs, devices=("cpu", "cuda", "xpu"),
     description="torch-optimi AdamW with optional Kahan summation, standing in for torchdistx's AnyPrecisionAdamW "
                 "(not installable).")
 

@@ -53,14 +53,17 @@ def _state_bytes(bits: int, default_block: int):
     return state_bytes
 
 
+_ARGS = {"block_size": int, "bf16_stochastic_round": strtobool}
+
+
 def _trainer_kwargs(name: str, args) -> dict:
     """transformers' ``_get_torchao_optimizer``: lr, betas, eps, ``block_size`` (256) and ``bf16_stochastic_round``."""
-    given = typed_optim_args(args, name, {"block_size": int, "bf16_stochastic_round": strtobool})
+    given = typed_optim_args(args, name, _ARGS)
     return {"lr": args.learning_rate, "block_size": given.get("block_size", 256),
             "bf16_stochastic_round": given.get("bf16_stochastic_round", False), **adam_kwargs(args)}
 
 
-_COMMON = dict(available=module_available(*_EXTRA), runs_on_fake=False, trainer_kwargs=_trainer_kwargs,
+_COMMON = dict(available=module_available(*_EXTRA), runs_on_fake=False, trainer_kwargs=_trainer_kwargs, optim_args=_ARGS,
                carries=frozenset({"lr", "weight_decay", "betas", "eps", "amsgrad"}), devices=("cpu", "cuda", "xpu"),
                scaler_ok=True)
 

@@ -166,6 +166,8 @@ TRAINER_NAMES = [n for n in HF_NAMES if n not in HARDWARE and n not in {"adamw_a
 def test_memwrap_builds_trainers_optimizer_with_the_same_maths(tmp_path, monkeypatch, name):
     """Trainer's optimizer driven by Trainer's protocol == memwrap's (taken over from args.optim) in a plain loop."""
     kw = dict(_args_for(name), weight_decay=0.1)
+    if name.endswith("_layerwise"):  # taken over from args.optim under a constant schedule only (see below)
+        kw["lr_scheduler_type"] = "constant"
     _no_triton_on_cpu(monkeypatch, name)
     ours, our_opt, _ = _trainer_optimizer(tmp_path / "m", name, True, **kw)
     assert type(our_opt).__name__.startswith(("MemwrapOptimizer",)) is False  # a real optimizer, not the stand-in
@@ -214,18 +216,64 @@ def test_optim_args_strings_mean_what_they_mean_to_trainer(tmp_path, monkeypatch
         torch.testing.assert_close(p, q, msg=f"{name}: {pname}", **EXACT)
 
 
-def test_trainer_hyperparameters_feed_create_optimizer_for_a_plain_loop(tmp_path):
-    """The plain-loop route: create_optimizer(args.optim, model, **trainer_hyperparameters(args)) == Trainer's."""
+def _groups(opt):
+    """Param groups as Trainer's optimizer holds them (a layer-wise one: its per-parameter optimizers' groups)."""
+    inner = getattr(opt, "optimizer_dict", None)
+    if inner is not None:  # transformers' LayerWiseDummyOptimizer
+        return [g for o in inner.values() for g in o.param_groups]
+    return list(opt.param_groups)
+
+
+_KERNEL_KEYS = {"foreach", "fused", "capturable", "differentiable", "triton"}  # same maths, kernel choice
+
+
+@pytest.mark.parametrize("name", [_param(n) for n in TRAINER_NAMES if n != "galore_adafactor_layerwise"])
+def test_trainer_optimizer_has_trainers_param_groups_for_a_plain_loop(tmp_path, monkeypatch, name):
+    """The plain-loop route trainer_optimizer(model, args) == Trainer(...).create_optimizer(): the same groups (weight
+    decay on most weights, 0.0 on biases and norm weights), each with Trainer's hyperparameters."""
+    from memwrap.integrations.transformers import trainer_optimizer
+
+    _no_triton_on_cpu(monkeypatch, name)
+    kw = dict(_args_for(name), weight_decay=0.1)
+    theirs, their_opt, args = _trainer_optimizer(tmp_path / "t", name, False, **kw)
+    ours = Tiny().to(next(theirs.parameters()).device)
+    our_opt = trainer_optimizer(ours, args)
+    index = {id(q): i for i, q in enumerate(theirs.parameters())}
+    mine = {id(p): i for i, p in enumerate(ours.parameters())}
+    ours_by = {frozenset(mine[id(p)] for p in g["params"]): g for g in _groups(our_opt)}
+    their_groups = [g for g in _groups(their_opt) if g["params"]]
+    assert len(their_groups) == len(ours_by), name
+    if not get_optimizer_spec(name).needs_model:
+        assert sorted(g["weight_decay"] for g in their_groups) == [0.0, 0.1]
+    for group in their_groups:
+        key = frozenset(index[id(q)] for q in group["params"])
+        assert key in ours_by, f"{name}: Trainer's group of parameters {sorted(key)} is not one of memwrap's"
+        for k, v in group.items():
+            if k != "params" and k not in _KERNEL_KEYS:
+                assert ours_by[key].get(k, "missing") == v, f"{name}: {k}: memwrap {ours_by[key].get(k, 'missing')!r}"
+
+
+def test_trainer_optimizer_trains_as_trainers_own_in_a_plain_loop(tmp_path):
+    """bitsandbytes' AdamW defaults to weight_decay=0.01: with only trainer_hyperparameters every weight decayed so."""
+    from memwrap.integrations.transformers import trainer_optimizer
+
+    for name in ("adamw_8bit", "galore_adamw"):
+        kw = dict(_args_for(name), weight_decay=0.1)
+        theirs, their_opt, args = _trainer_optimizer(tmp_path / name, name, False, **kw)
+        model = Tiny()
+        opt = trainer_optimizer(model, args)
+        _drive_like_trainer(theirs, their_opt, args)
+        _drive_plain_loop(model, opt)
+        for p, q in zip(model.parameters(), theirs.parameters(), strict=True):
+            torch.testing.assert_close(p, q, **EXACT)
+    # The route documented before: one group, no Trainer weight decay split; it trains otherwise.
     from memwrap.integrations.transformers import trainer_hyperparameters
 
-    args = hf_args(tmp_path, optim="galore_adamw", learning_rate=1e-2, weight_decay=0.0, **LOW_RANK)
+    theirs, their_opt, args = _trainer_optimizer(tmp_path / "old", "adamw_8bit", False, weight_decay=0.1)
     model = Tiny()
-    opt = memwrap.create_optimizer(args.optim, model, **trainer_hyperparameters(args))
-    theirs, their_opt, _ = _trainer_optimizer(tmp_path / "t", "galore_adamw", False, weight_decay=0.0, **LOW_RANK)
     _drive_like_trainer(theirs, their_opt, args)
-    _drive_plain_loop(model, opt)
-    for p, q in zip(model.parameters(), theirs.parameters(), strict=True):
-        torch.testing.assert_close(p, q, **EXACT)
+    _drive_plain_loop(model, memwrap.create_optimizer(args.optim, model, **trainer_hyperparameters(args)))
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), theirs.parameters()))
 
 
 def test_adamw_anyprecision_is_optimi_adamw_matching_torch_adamw(tmp_path):
@@ -317,8 +365,10 @@ def test_low_rank_without_target_modules_names_the_fix(tmp_path, name):
     with pytest.raises(ValueError, match="needs the model"):
         create_optimizer(name, Tiny().parameters(), lr=1e-3, target_modules="all-linear")
     model = Tiny()
-    with pytest.raises(ValueError, match=r"wrap\(optim=...\) cannot pass them.*create_optimizer"):
-        memwrap.wrap(model, torch.optim.AdamW(model.parameters()), optim=name)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match=rf"optim='{name}' needs target modules.*Fix: .*optim_target_modules="):
+        memwrap.wrap(model, optimizer, optim=name)
+    assert memwrap.unwrap(optimizer) is optimizer and not model._forward_pre_hooks  # refused before anything changed
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for CPU runs")
@@ -368,8 +418,9 @@ def test_updates_in_backward_refuse_what_they_cannot_do(name, options):
     kw = {"target_modules": "all-linear", "rank": 4} if name.startswith("galore") else {}
     with pytest.raises(ValueError, match="updates each parameter inside backward.*Fix"):
         memwrap.wrap(model, create_optimizer(name, model, lr=1e-3, **kw), **options)
+    targets = {"optim_target_modules": "all-linear"} if name.startswith("galore") else {}
     with pytest.raises(ValueError, match="inside backward.*Fix"):
-        memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=1e-3), optim=name, **options)
+        memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=1e-3), optim=name, **targets, **options)
 
 
 def test_a_missing_library_gives_the_install_command(monkeypatch):
@@ -385,7 +436,7 @@ def test_layerwise_gradient_accumulation_is_refused_like_trainer(tmp_path):
 
     args = hf_args(tmp_path, optim="galore_adamw_layerwise", gradient_accumulation_steps=2, **LOW_RANK)
     with pytest.raises(ValueError, match="cannot accumulate.*Fix: set it to 1"):
-        memwrap_trainer_kwargs(Tiny(), args)
+        memwrap_trainer_kwargs(Tiny(), args, optim="galore_adamw_layerwise")
 
 
 # --- what the plugins add: modes, layer-wise scheduling, state --------------------------------------------------------
@@ -528,3 +579,144 @@ def test_the_planner_skips_backward_updating_optimizers_where_wrap_would_refuse_
     skipped = [why for label, why in result.skipped if "lomo" in label]
     assert skipped and all("updates inside backward" in why for why in skipped)  # micro-batch 1 = accumulate 2
     assert (1, "lomo") in rows and (2, "lomo") not in rows and (2, "adamw") in rows
+
+
+# --- GaLore / APOLLO through wrap(optim=...) and options_from(args) -------------------------------------------------
+
+@pytest.mark.parametrize("name", ["galore_adamw", "galore_adafactor_layerwise", "apollo_adamw", "apollo_adamw_layerwise"])
+def test_low_rank_names_resolve_through_options_from_and_wrap(tmp_path, name):
+    """TrainingArguments(optim_target_modules=..., optim_args=...) -> options_from -> wrap(): the optimizer built by hand
+    with the same targets, projection and the user's own hyperparameters."""
+    args = hf_args(tmp_path, optim=name, gradient_accumulation_steps=1, max_grad_norm=0.0, **LOW_RANK)
+    options = memwrap.options_from(args)
+    assert options["optim_target_modules"] == ["q_proj", "up"] and options["optim_args"] == LOW_RANK["optim_args"]
+    model, reference = Tiny(), Tiny()
+    user = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # galore_adafactor: Adam's betas/eps do not carry, and say so
+        wmodel, wopt = memwrap.wrap(model, torch.optim.AdamW(model.parameters(), **user), **options)
+    spec = get_optimizer_spec(name)
+    by_hand = create_optimizer(name, reference, target_modules=["q_proj", "up"], rank=4, update_proj_gap=2,
+                               **{k: v for k, v in user.items() if k in spec.carries})
+    projected = [g for g in wopt.optimizer.param_groups if "rank" in g]
+    assert projected and all(g["rank"] == 4 and g["update_proj_gap"] == 2 for g in projected)
+    for ids in _batches(3):
+        wmodel(ids, labels=ids).backward()
+        wopt.step()
+        wopt.zero_grad()
+        reference(ids, labels=ids).backward()
+        by_hand.step()
+        by_hand.zero_grad()
+    for (pname, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, msg=f"{name}: {pname}", **EXACT)
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(optim="galore_adamw", optim_target_modules="all-linear", optim_args="rank=0"), r"rank=0 must be a whole number"),
+    (dict(optim="apollo_adamw", optim_target_modules="all-linear", optim_args="rank=-2"), r"rank=-2 must be a whole"),
+    (dict(optim="galore_adamw", optim_target_modules="all-linear", optim_args="scale=0"), r"scale=0.0 must be a number > 0"),
+    (dict(optim="galore_adamw", optim_target_modules="all-linear", optim_args="update_proj_gap=0"),
+     r"update_proj_gap=0 must be a whole number >= 1"),
+    (dict(optim="galore_adamw", optim_target_modules="all-linear", optim_args="proj_type=diag"),
+     r"proj_type='diag' is not one of"),
+    (dict(optim="apollo_adamw", optim_target_modules="all-linear", optim_args="scale_type=row"),
+     r"scale_type='row' is not one of 'channel', 'tensor'"),
+    (dict(optim="galore_adamw", optim_target_modules="all-linear", optim_args="rnak=4"), r"\['rnak'\].*Did you mean 'rank'"),
+    (dict(optim="galore_adamw", optim_target_modules="all-linear", optim_args="lr=0.1"), r"\['lr'\] do not apply"),
+    (dict(optim="sgd", optim_args="momentum=0.9"), r"\['momentum'\] for optim='sgd' are hyperparameters of the optimizer"),
+    (dict(optim="sgd", optim_target_modules=["q_proj"]), r"optim_target_modules=.*is for the low-rank optimizers"),
+    (dict(optim_target_modules=["q_proj"]), r"no optim= was given"),
+    (dict(optim="galore_adamw"), r"needs target modules.*optim_target_modules"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_bad_low_rank_settings_are_refused_at_wrap_before_anything_changes(options, match):
+    model = Tiny()
+    optimizer = torch.optim.AdamW(model.parameters())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=match):
+        memwrap.wrap(model, optimizer, **options)
+    assert not model._forward_pre_hooks and not model._forward_hooks and optimizer.param_groups[0]["lr"] == 1e-3
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("name,hp,match", [
+    ("galore_adamw", dict(target_modules="all-linear", rank=0), r"'galore_adamw': rank=0 must be a whole number >= 1"),
+    ("apollo_adamw_layerwise", dict(target_modules="all-linear", rank=0), r"rank=0 must be a whole number >= 1"),
+    ("galore_adamw", dict(target_modulez="all-linear"), r"no hyperparameter 'target_modulez'. Did you mean 'target_modules'"),
+    ("adamw_8bit", dict(betas=0.9), r"'adamw_8bit': betas=0.9 must be a pair of numbers in \[0, 1\). Fix: e.g. betas="),
+    ("adamw", dict(lr=-1e-3), r"lr=-0.001 must be a finite number >= 0. Fix"),
+    ("sgd", dict(lr=0.1, momentum=-0.9), r"momentum=-0.9 must be a finite number >= 0"),
+    ("adamw", dict(weight_decay="0.01"), r"weight_decay='0.01' is a string, not a number. Fix: weight_decay=0.01"),
+    ("sgd", dict(lr=0.1, momentun=0.9), r"'sgd' takes no hyperparameter 'momentun'. Did you mean 'momentum'"),
+])
+def test_bad_hyperparameters_get_memwraps_message_naming_the_option(name, hp, match):
+    model = Tiny()
+    with pytest.raises((ValueError, TypeError), match=match):
+        create_optimizer(name, model, **hp)
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())  # nothing was hooked
+
+
+# --- layer-wise GaLore / APOLLO inside Trainer.train() under an LR schedule ----------------------------------------
+
+def _train_layerwise(tmp_path, name, *, use_memwrap, explicit=False, per_parameter_schedulers=False, **args_kw):
+    from transformers import Trainer
+
+    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+
+    class TinyOutputs(Tiny):
+        def forward(self, input_ids, labels=None):
+            return {"loss": super().forward(input_ids, labels)}
+
+    class PerParameterSchedulers(Trainer):
+        """Trainer as transformers means it: what get_scheduler does when it receives the LayerWiseDummyOptimizer (one
+        scheduler per parameter's optimizer, stepped in its backward hook). Its LayerWiseDummyScheduler itself fails
+        under torch 2.13 (a strict zip of one dummy group with every parameter's lr), so only its hooks are made."""
+
+        def create_scheduler(self, num_training_steps, optimizer=None):
+            from transformers.optimization import get_scheduler
+
+            inner = self.optimizer.optimizer.optimizer_dict
+            schedulers = {p: get_scheduler(self.args.lr_scheduler_type, optimizer=o,
+                                           num_warmup_steps=self.args.get_warmup_steps(num_training_steps),
+                                           num_training_steps=num_training_steps) for p, o in inner.items()}
+            for p in inner:
+                p.register_post_accumulate_grad_hook(lambda q: schedulers[q].step())
+            return super().create_scheduler(num_training_steps, optimizer)
+
+    model = TinyOutputs()
+    args = hf_args(tmp_path, optim=name, learning_rate=1e-3, gradient_accumulation_steps=1, max_steps=3,
+                   **_args_for(name), **args_kw)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        extra = (memwrap_trainer_kwargs(model, args, optim=name) if explicit else memwrap_trainer_kwargs(model, args)
+                 ) if use_memwrap else {}
+    data = [{"input_ids": ids[0], "labels": ids[0]} for ids in _batches(6)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = (PerParameterSchedulers if per_parameter_schedulers else Trainer)(
+            model=model, args=args, train_dataset=data, **extra)
+        trainer.train()
+    return model, extra, [str(w.message) for w in record]
+
+
+@pytest.mark.parametrize("name", ["galore_adamw_layerwise", "apollo_adamw_layerwise"])
+def test_layerwise_in_trainer_under_a_schedule_matches_trainer(tmp_path, name):
+    """Issue 22 item 24 (max_steps=3, learning_rate=1e-3, the default linear schedule and clipping): the difference
+    was the schedule, which Trainer's own layer-wise optimizers never see. From args.optim Trainer keeps its own
+    (a warning says why); optim= explicitly builds memwrap's, equal to Trainer's per-parameter schedulers."""
+    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+
+    args = hf_args(tmp_path / "d", optim=name, learning_rate=1e-3, gradient_accumulation_steps=1, **_args_for(name))
+    with pytest.warns(UserWarning, match=r"keeps its own optimizer.*never see lr_scheduler_type='linear'.*constant"):
+        assert memwrap_trainer_kwargs(Tiny(), args) == {}  # Trainer's own optimizer, untouched
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # under a constant schedule memwrap's is taken over, as exact (test above)
+        assert memwrap_trainer_kwargs(Tiny(), hf_args(tmp_path / "c", optim=name, gradient_accumulation_steps=1,
+                                                      lr_scheduler_type="constant", **_args_for(name)))
+
+    theirs, _, _ = _train_layerwise(tmp_path / "t", name, use_memwrap=False)
+    ours, extra, messages = _train_layerwise(tmp_path / "m", name, use_memwrap=True, explicit=True)
+    assert extra and any("follows the schedule" in m for m in messages), messages
+    scheduled, _, _ = _train_layerwise(tmp_path / "s", name, use_memwrap=False, per_parameter_schedulers=True)
+    for (pname, p), q, r in zip(ours.named_parameters(), scheduled.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(p, q, msg=f"{name}: {pname}", rtol=1e-6, atol=1e-7)
+    assert any(not torch.equal(p, r) for p, r in zip(ours.parameters(), theirs.parameters()))  # the schedule acted

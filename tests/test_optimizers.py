@@ -334,3 +334,148 @@ def test_conversion_keeps_an_explicit_kernel_choice(flags, fused):
         new = convert_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, **flags), "adamw")
     assert bool(new.defaults["fused"]) is fused and new.defaults["lr"] == 1e-3
     assert getattr(new, "_step_supports_amp_scaling", False) is fused
+
+
+# --- conversion: every hyperparameter the user set reaches the new optimizer's maths, or is named ------------------
+
+# The user's optimizer per kind of target, each hyperparameter away from both optimizers' defaults.
+CONVERSION_SOURCES = {
+    "adam": (torch.optim.AdamW, dict(lr=0.02, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.3)),
+    "sgd": (torch.optim.SGD, dict(lr=0.02, momentum=0.7, dampening=0.1, weight_decay=0.3)),
+    "rmsprop": (torch.optim.RMSprop, dict(lr=0.02, alpha=0.9, eps=1e-3, momentum=0.5, weight_decay=0.3)),
+    "adagrad": (torch.optim.Adagrad, dict(lr=0.02, lr_decay=0.1, eps=1e-3, weight_decay=0.3,
+                                          initial_accumulator_value=0.1)),
+}
+SOURCE_OF = {"sgd": "sgd", "schedule_free_sgd": "sgd", "lomo": "sgd", "adalomo": "sgd", "rmsprop": "rmsprop",
+             "rmsprop_bnb": "rmsprop", "rmsprop_bnb_8bit": "rmsprop", "adagrad": "adagrad"}
+# What the target needs besides the user's hyperparameters, given the same to both sides.
+CONVERSION_EXTRA = {"galore": dict(target_modules="all-linear", rank=2, update_proj_gap=1),
+                    "apollo": dict(target_modules="all-linear", rank=2, update_proj_gap=1),
+                    "schedule_free_radam": dict(silent_sgd_phase=False)}  # else its first steps have lr 0
+
+
+def _by_hand(name, carried):
+    """The keyword arguments a user builds the target with by hand for the same maths (AdEMAMix: three betas)."""
+    if "ademamix" in name and "betas" in carried:
+        return {**carried, "betas": (*carried["betas"], 0.9999)}
+    return carried
+
+
+def _conversion_targets():
+    params = []
+    for row in optimizers():
+        spec = get_optimizer_spec(row.name)
+        marks = []
+        if not row.available:
+            marks.append(pytest.mark.skip(reason=f"not available here: {row.install_hint[:80]}"))
+        elif "cpu" not in spec.devices and not torch.cuda.is_available():
+            marks.append(pytest.mark.skip(reason="GPU-only kernels"))
+        if row.name.startswith("adamw_torch_") and row.name.endswith("bit"):
+            marks.append(pytest.mark.slow)  # torchao compiles its step
+        params.append(pytest.param(row.name, marks=marks, id=row.name))
+    return params
+
+
+def _conversion_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.Tanh(), nn.Linear(96, 8))  # 6144 weights: 8-bit state for one
+    return model.cuda() if torch.cuda.is_available() else model
+
+
+# A second value for each hyperparameter: a target that dropped the user's value would step differently.
+OTHER_VALUE = {"lr": 0.05, "betas": (0.7, 0.9), "eps": 1e-2, "weight_decay": 0.6, "momentum": 0.3, "dampening": 0.3,
+               "alpha": 0.8, "lr_decay": 0.3, "initial_accumulator_value": 0.3}
+# RAdam's first steps are un-adapted (no second moment, so no eps) until its variance estimate is tractable.
+CONVERSION_STEPS = {"schedule_free_radam": 7}
+
+
+def _three_steps(model, opt, steps=3):
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)).to(next(model.parameters()).device)
+    model.train()
+    for _ in range(steps):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", _conversion_targets())
+def test_conversion_carries_every_hyperparameter_into_the_targets_maths(name):
+    """wrap(optim=name) / convert_optimizer: one step sequence equals the target built by hand with the user's values;
+    each carried value changes the result (so the comparison proves it arrived); every other one is named."""
+    spec = get_optimizer_spec(name)
+    cls, user = CONVERSION_SOURCES[SOURCE_OF.get(spec.name, "adam")]
+    extra = next((v for k, v in CONVERSION_EXTRA.items() if spec.name.startswith(k)), {})
+    model = _conversion_model()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        converted = convert_optimizer(cls(model.parameters(), **user), name, model=model, **extra)
+    message = " ".join(str(w.message) for w in record if issubclass(w.category, ConversionWarning))
+    assert "does not read" not in message, message
+    carried = {k: v for k, v in user.items() if k in spec.carries}
+    for key in set(user) - set(carried):
+        assert f"{key}=" in message, f"{name}: {key} neither carried nor named in the warning: {message!r}"
+    steps = CONVERSION_STEPS.get(spec.name, 3)
+    ours = _three_steps(model, converted, steps)
+
+    def by_hand(values):
+        reference = _conversion_model()
+        opt = create_optimizer(name, reference, **_by_hand(spec.name, values), **extra)
+        return _three_steps(reference, opt, steps)
+
+    for a, b in zip(ours, by_hand(carried), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{name}: converted != built by hand with {carried}")
+    for key in carried:
+        other = by_hand({**carried, key: OTHER_VALUE[key]})
+        assert any(not torch.equal(a, b) for a, b in zip(ours, other)), (
+            f"{name}: {key}={carried[key]!r} changes nothing in {steps} steps; the comparison would not see it dropped")
+
+
+def test_stable_adamw_and_anyprecision_conversions_equal_optimi_built_by_hand():
+    """The issue's case: AdamW(betas=(0.8, 0.95)) -> optimi, which reads beta1/beta2 from its param groups."""
+    optimi = pytest.importorskip("optimi")
+    for name, by_hand in (("stable_adamw", lambda p: optimi.StableAdamW(p, lr=0.02, betas=(0.8, 0.95), eps=1e-3,
+                                                                        weight_decay=0.3, triton=False)),
+                          ("adamw_anyprecision", lambda p: optimi.AdamW(p, lr=0.02, betas=(0.8, 0.95), eps=1e-3,
+                                                                        weight_decay=0.3, kahan_sum=False,
+                                                                        triton=False))):
+        model, reference = _conversion_model(), _conversion_model()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ConversionWarning)
+            _, wopt = memwrap.wrap(model, torch.optim.AdamW(model.parameters(), lr=0.02, betas=(0.8, 0.95), eps=1e-3,
+                                                            weight_decay=0.3), optim=name)
+        inner = memwrap.unwrap(wopt)
+        assert (inner.param_groups[0]["beta1"], inner.param_groups[0]["beta2"]) == (0.8, 0.95)
+        for a, b in zip(_three_steps(model, wopt), _three_steps(reference, by_hand(reference.parameters()))):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+@needs_bnb
+def test_rmsprop_to_bitsandbytes_keeps_alpha_and_names_what_it_cannot_do():
+    """bitsandbytes' RMSprop keeps (alpha, momentum) as its groups' betas; momentum and centering it cannot do."""
+    model, reference = _conversion_model(), _conversion_model()
+    user = dict(lr=0.02, alpha=0.9, eps=1e-3, weight_decay=0.3)
+    converted = convert_optimizer(torch.optim.RMSprop(model.parameters(), **user), "rmsprop_bnb_8bit", model=model)
+    assert converted.param_groups[0]["betas"] == (0.9, 0)
+    for a, b in zip(_three_steps(model, converted),
+                    _three_steps(reference, bnb.optim.RMSprop(reference.parameters(), optim_bits=8, **user))):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # bitsandbytes' RMSprop kernels never read momentum and cannot center: both named, never silently dropped.
+    _, messages = _convert_warnings(torch.optim.RMSprop(model.parameters(), centered=True, momentum=0.5), "rmsprop_bnb")
+    assert len(messages) == 1 and "centered=True" in messages[0] and "momentum=0.5" in messages[0]
+    with pytest.raises(ValueError, match=r"momentum=0.5 would be ignored.*Fix: momentum=0, or optim='rmsprop'"):
+        create_optimizer("rmsprop_bnb", model, lr=0.01, momentum=0.5)
+
+
+def test_a_carried_value_the_target_does_not_read_is_named(monkeypatch):
+    """The safety net: a plugin carrying a key its optimizer never reads (as optimi's betas were) is not silent."""
+    import dataclasses
+
+    from memwrap import registry
+
+    pytest.importorskip("optimi")
+    broken = dataclasses.replace(get_optimizer_spec("stable_adamw"), group_keys=None)
+    monkeypatch.setattr(registry, "get_optimizer_spec", lambda name: broken)
+    model = _conversion_model()
+    with pytest.warns(ConversionWarning, match=r"does not read the param-group key\(s\) \['betas'\]"):
+        convert_optimizer(torch.optim.AdamW(model.parameters(), betas=(0.8, 0.95)), "stable_adamw")

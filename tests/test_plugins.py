@@ -405,8 +405,10 @@ def test_factory_returning_none_is_refused_at_once_naming_the_plugin(site):
 
 
 def test_a_bad_hyperparameter_is_the_callers_error_not_a_plugin_failure():
-    with pytest.raises(ValueError, match="Invalid learning rate"):
-        create_optimizer("adamw", [torch.zeros(1, requires_grad=True)], lr=-1.0)
+    with pytest.raises(ValueError, match=r"optimizer 'adamw': lr=-1.0 must be a finite number >= 0. Fix"):
+        create_optimizer("adamw", [torch.zeros(1, requires_grad=True)], lr=-1.0)  # memwrap's own check
+    with pytest.raises(ValueError, match="Nesterov momentum requires a momentum"):  # the backend's, passed on
+        create_optimizer("sgd", [torch.zeros(1, requires_grad=True)], lr=0.1, nesterov=True)
     assert not plugin_errors()
 
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 __all__ = ["memwrap_trainer_kwargs", "memwrap_optimizer_class", "wrap_options", "checkpoint_report",
-           "trainer_hyperparameters"]
+           "trainer_hyperparameters", "trainer_param_groups", "trainer_optimizer"]
 
 # Every optimizer plugin that declares ``trainer_kwargs`` builds Trainer's optimizer for its Hugging Face names with
 # Trainer's hyperparameters (tests/test_hf_optimizers.py compares each against Trainer's own); those names are taken
@@ -102,11 +102,13 @@ def trainer_hyperparameters(args: Any, optim: str | None = None) -> dict[str, An
     """The hyperparameters Trainer passes to its optimizer for ``optim`` (default ``args.optim``).
 
     Learning rate, Adam betas/eps where Trainer passes them, parsed ``optim_args`` (keys that do not
-    apply to the optimizer raise ``ValueError``) and ``optim_target_modules``; weight decay stays in
-    the param groups, as in Trainer. For a plain loop with Trainer's optimizer:
+    apply to the optimizer raise ``ValueError``) and ``optim_target_modules``. Weight decay is not among
+    them: Trainer puts it in its param groups (``args.weight_decay`` on most weights, 0.0 on biases and
+    norm weights), which :func:`trainer_param_groups` builds; :func:`trainer_optimizer` does both.
 
     Example:
-        >>> opt = memwrap.create_optimizer(args.optim, model, **trainer_hyperparameters(args))  # doctest: +SKIP
+        >>> opt = memwrap.create_optimizer(args.optim, trainer_param_groups(model, args), model=model,  # doctest: +SKIP
+        ...                                **trainer_hyperparameters(args))
     """
     from memwrap.registry import get_optimizer_spec
 
@@ -123,6 +125,50 @@ def trainer_hyperparameters(args: Any, optim: str | None = None) -> dict[str, An
     return found
 
 
+def trainer_param_groups(model: nn.Module, args: Any, optim: str | None = None) -> Any:
+    """The param groups ``Trainer.create_optimizer()`` builds for ``optim`` (default ``args.optim``).
+
+    Two groups, as Trainer makes them with its own ``get_decay_parameter_names``: the trainable parameters it decays
+    with ``weight_decay=args.weight_decay``, and the others (biases, LayerNorm/RMSNorm weights) with 0.0. For the
+    optimizers whose Trainer handler replaces those groups (GaLore/APOLLO build their own target groups, LOMO takes
+    the model), the model itself, which :func:`memwrap.create_optimizer` splits the same way.
+
+    Example:
+        >>> groups = trainer_param_groups(model, args)  # doctest: +SKIP
+        >>> [g["weight_decay"] for g in groups]  # doctest: +SKIP
+        [0.1, 0.0]
+    """
+    from transformers import Trainer
+
+    from memwrap.registry import get_optimizer_spec
+
+    spec = get_optimizer_spec(_key(optim if optim is not None else getattr(args, "optim", None)))
+    if spec.needs_model:
+        return model
+    # An instance method that reads nothing of the instance: Trainer's own rule, not a copy of it.
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [{"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+
+
+def trainer_optimizer(model: nn.Module, args: Any, optim: str | None = None, **overrides: Any) -> torch.optim.Optimizer:
+    """Trainer's optimizer for a plain loop: its param groups and hyperparameters, built by memwrap.
+
+    ``memwrap.create_optimizer(name, trainer_param_groups(model, args), model=model, **trainer_hyperparameters(args))``
+    with ``overrides`` on top; the same param groups and hyperparameters as ``Trainer(model, args).create_optimizer()``.
+
+    Example:
+        >>> optimizer = trainer_optimizer(model, args)  # doctest: +SKIP
+        >>> model, optimizer = memwrap.wrap(model, optimizer, accumulate=args.gradient_accumulation_steps)  # doctest: +SKIP
+    """
+    from memwrap.registry import create_optimizer
+
+    name = _key(optim if optim is not None else getattr(args, "optim", None))
+    return create_optimizer(name, trainer_param_groups(model, args, name), model=model,
+                            **{**trainer_hyperparameters(args, name), **overrides})
+
+
 def _plain(value: Any) -> Any:
     return getattr(value, "value", value)  # HF's OptimizerNames / SchedulerType are str enums
 
@@ -131,12 +177,30 @@ def _key(name: Any) -> str:
     return str(_plain(name)).strip().lower().replace("-", "_")  # as the registry normalizes names
 
 
+def _unscheduled_layerwise(name: str, args: Any) -> str | None:
+    """Why Trainer's own ``*_layerwise`` optimizer would train at another learning rate than memwrap's, or None.
+
+    transformers 5.24 makes its per-parameter schedulers only when ``get_scheduler`` receives its
+    ``LayerWiseDummyOptimizer``; Trainer hands it the accelerate-wrapped one, so its layer-wise GaLore/APOLLO train
+    at a constant ``learning_rate`` whatever ``lr_scheduler_type`` says. memwrap's follow the schedule (Trainer's
+    scheduler writes their param groups): the two agree exactly only under a constant schedule.
+    """
+    schedule = _key(getattr(args, "lr_scheduler_type", "linear"))
+    # galore_adafactor_layerwise: transformers 5.24 cannot build its own (relative_step is set after the per-parameter
+    # optimizers are made), so there is no Trainer training to keep.
+    if not name.endswith("_layerwise") or name == "galore_adafactor_layerwise" or schedule == "constant":
+        return None
+    return (f"Trainer's own layer-wise optimizers never see lr_scheduler_type={schedule!r} (transformers builds the "
+            "scheduler on the accelerate-wrapped optimizer, so its per-parameter schedulers are not made) and train at "
+            f"a constant learning_rate={getattr(args, 'learning_rate', None)!r}, while memwrap's follow the schedule")
+
+
 def _trainer_equivalent(args: Any) -> Any:
     """memwrap's spec for ``args.optim`` when memwrap builds Trainer's optimizer for it, else None."""
     from memwrap.registry import UnknownOptimizerError, get_optimizer_spec
 
     name = _key(getattr(args, "optim", None))
-    if name in _NOT_TAKEN_OVER:
+    if name in _NOT_TAKEN_OVER or _unscheduled_layerwise(name, args) is not None:
         return None
     try:
         spec = get_optimizer_spec(name)
@@ -147,8 +211,10 @@ def _trainer_equivalent(args: Any) -> Any:
 
 def _keep_trainer_optimizer_warning(args: Any, checkpointing: bool) -> None:
     name = _key(getattr(args, "optim", None))
+    layerwise = _unscheduled_layerwise(name, args)
     why = (f"Trainer's is {_NOT_TAKEN_OVER[name]}" if name in _NOT_TAKEN_OVER
-           else "memwrap has no optimizer that reproduces it exactly")
+           else f"{layerwise} (with lr_scheduler_type='constant' memwrap's is taken over: the same training)"
+           if layerwise is not None else "memwrap has no optimizer that reproduces it exactly")
     warnings.warn(
         f"Trainer keeps its own optimizer for TrainingArguments(optim={name!r})"
         f"{' and memwrap only applies checkpointing' if checkpointing else ''}: {why}. To use a memwrap optimizer "
@@ -160,6 +226,11 @@ def _differs_from_trainer(optim: str, spec: Any, args: Any) -> None:
     from memwrap.registry import ConversionWarning
 
     name = _key(optim)
+    layerwise = _unscheduled_layerwise(name, args)
+    if layerwise is not None:
+        warnings.warn(f"optim={optim!r}: {layerwise}. memwrap's is built, so the run follows the schedule and differs "
+                      "from Trainer's own optim of that name.", ConversionWarning, stacklevel=4)
+        return
     if spec.trainer_kwargs is not None and name not in _NOT_TAKEN_OVER:
         return  # built exactly as Trainer builds that name
     if name not in _TRAINER_MEANING and name not in _NOT_TAKEN_OVER and not spec.conversion_note:
