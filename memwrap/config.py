@@ -205,7 +205,9 @@ def _validate_budget(values: dict[str, Any]) -> None:
 def options_from(training_args: Any) -> dict[str, Any]:
     """Read memwrap options from any object with Hugging Face ``TrainingArguments`` attributes.
 
-    Duck-typed, so transformers is never imported. Returns keyword arguments for ``wrap``.
+    Duck-typed, so transformers is never imported. Returns keyword arguments for ``wrap``. Every other field whose
+    value is not Hugging Face's default (learning rate, scheduler, batch size, ``dataloader_*``, ``torch_compile``,
+    ...) is named in one ``UserWarning``, each with how a plain loop applies it (:mod:`memwrap.training_args`).
 
     Example:
         >>> from types import SimpleNamespace
@@ -230,6 +232,10 @@ def options_from(training_args: Any) -> dict[str, Any]:
         found.update({n: getattr(training_args, n) for n in ("optim_target_modules", "optim_args")
                       if getattr(training_args, n, None)})
     parse_options(**found)  # validate now, so a bad TrainingArguments fails here and not inside wrap()
+    from memwrap.training_args import warn_unapplied
+
+    # Every other field that is not at its default is named, with how a plain loop applies it: none is dropped silently.
+    warn_unapplied(training_args, read={*HF_ALIASES, *found})
     return found
 
 

@@ -142,7 +142,7 @@ def test_seed_template_becomes_wrap_options_for_a_plain_loop(tmp_path):
     template = hf_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=8, gradient_checkpointing=True,
                        fp16=True, optim="adamw_bnb_8bit", torch_compile=True, dataloader_pin_memory=True,
                        dataloader_num_workers=4)
-    with pytest.warns(UserWarning, match="torch_compile=True.*dataloader_num_workers=4"):
+    with pytest.warns(UserWarning, match="dataloader_num_workers=4.*torch_compile=True"):
         options = wrap_options(template, precision="bf16")  # fp16 overridden: CPU autocast prefers bf16
     assert options == {"gradient_accumulation_steps": 8, "gradient_checkpointing": True, "optim": "adamw_bnb_8bit",
                        "max_grad_norm": 1.0, "precision": "bf16"}
@@ -159,6 +159,34 @@ def test_seed_template_becomes_wrap_options_for_a_plain_loop(tmp_path):
         optimizer.zero_grad()
     assert optimizer.updates == 1 and model.checkpoint_report.modules == ["model.layers.0", "model.layers.1"]
     assert calls.calls == 2 * 8
+
+
+@needs_hf
+def test_options_from_names_every_field_it_leaves_to_the_loop_with_how_to_apply_it(tmp_path):
+    # options_from(args) returned its options and said nothing about torch_compile, dataloader_num_workers or
+    # per_device_train_batch_size, which wrap_options(args) named: one function, one behaviour.
+    from memwrap.integrations.transformers import wrap_options
+
+    template = hf_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=8, gradient_checkpointing=True,
+                       fp16=True, optim="adamw_bnb_8bit", torch_compile=True, dataloader_pin_memory=False,
+                       dataloader_num_workers=4)
+    with pytest.warns(UserWarning) as direct:
+        options = memwrap.options_from(template)
+    (message,) = [str(w.message) for w in direct if "does not apply" in str(w.message)]
+    assert direct[0].filename == __file__  # points at the caller's line
+    for named in ("per_device_train_batch_size=2 -> DataLoader(batch_size=2)",
+                  "dataloader_num_workers=4 -> DataLoader(num_workers=4)",
+                  "dataloader_pin_memory=False -> DataLoader(pin_memory=False)",
+                  "torch_compile=True -> model = torch.compile(model) after wrap()",
+                  "learning_rate=0.001 -> AdamW(params, lr=0.001)", "max_steps=3 -> your loop's number of updates",
+                  "seed=0 -> torch.manual_seed(0)"):
+        assert named in message
+    for read, value in options.items():  # what wrap() applies is not listed as left to the loop
+        assert f"{read}={getattr(value, 'value', value)!r}" not in message
+    with pytest.warns(UserWarning) as through_wrap_options:
+        assert wrap_options(template) == options
+    assert [str(w.message) for w in through_wrap_options] == [message]
+    assert through_wrap_options[0].filename == __file__
 
 
 def test_wrap_options_reads_duck_typed_arguments():

@@ -24,7 +24,6 @@ Example:
 """
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from typing import Any
 
@@ -45,26 +44,6 @@ _TRAINER_MEANING = {
     "torch_adafactor": ("adafactor", "transformers.Adafactor(scale_parameter=False, relative_step=False), whose lr is "
                                      "an absolute step size"),
 }
-
-# TrainingArguments fields a plain loop must apply itself, by where they go; wrap() reads only HF_ALIASES.
-_LOOP_HOMES = (
-    ("optimizer (set them on the optimizer you pass to wrap())",
-     ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "optim_args")),
-    ("LR scheduler and run length", ("lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "num_train_epochs",
-                                      "max_steps")),
-    ("loop (batch size and workers go to your DataLoader, torch_compile is torch.compile(model))",
-     ("per_device_train_batch_size", "torch_compile", "dataloader_pin_memory", "dataloader_num_workers")),
-    ("checkpointing (memwrap's checkpoint= policies take no Hugging Face kwargs)",
-     ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")),
-)
-# Hugging Face defaults of those fields, for duck-typed templates that carry no dataclass defaults.
-_HF_DEFAULTS = {"learning_rate": 5e-05, "weight_decay": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.999,
-                "adam_epsilon": 1e-08, "optim_args": None, "lr_scheduler_type": "linear", "lr_scheduler_kwargs": None,
-                "warmup_steps": 0, "num_train_epochs": 3.0, "max_steps": -1, "per_device_train_batch_size": 8,
-                "torch_compile": False, "dataloader_pin_memory": True, "dataloader_num_workers": 0}
-# transformers 5 mirrors the deprecated name into the new one: name the setting once.
-_MIRRORED = {"gradient_checkpointing_kwargs": "activation_checkpointing_kwargs"}
-
 
 def memwrap_optimizer_class(optim: str, model: nn.Module | None = None) -> type[torch.optim.Optimizer]:
     """A stand-in optimizer class that builds memwrap's optimizer ``optim`` when called.
@@ -387,12 +366,12 @@ def _check_args(args: Any, checkpoint: Any) -> None:
 def wrap_options(args: Any, **overrides: Any) -> dict[str, Any]:
     """``memwrap.wrap`` options for a plain loop from a ``TrainingArguments`` (e.g. the seeds' template).
 
-    Reads ``gradient_accumulation_steps``, ``fp16``/``bf16``/``tf32``, ``gradient_checkpointing``
-    (``activation_checkpointing``), ``optim`` and ``max_grad_norm`` (see :func:`memwrap.options_from`);
-    ``overrides`` win, under memwrap's or Hugging Face's names. Every other field that differs from
-    its default (learning rate, Adam betas/epsilon, weight decay, scheduler, batch size,
-    ``torch_compile``, Trainer-only settings, ...) is named in one warning, grouped by where a plain
-    loop must apply it: ``wrap()`` applies none of them, and nothing is silently dropped.
+    :func:`memwrap.options_from` with ``overrides``: it reads ``gradient_accumulation_steps``,
+    ``fp16``/``bf16``/``tf32``, ``gradient_checkpointing`` (``activation_checkpointing``), ``optim`` (with its
+    ``optim_target_modules``/``optim_args``) and ``max_grad_norm``, and names every other field that differs from its
+    default in one warning, each with how a plain loop applies it (the optimizer you build, the scheduler, your
+    ``DataLoader``, ``torch.compile`` after ``wrap()``, ...): the same fields, the same warning. ``overrides`` win,
+    under memwrap's or Hugging Face's names, and values come back as plain strings (not HF enums).
 
     Example:
         >>> from types import SimpleNamespace
@@ -401,7 +380,12 @@ def wrap_options(args: Any, **overrides: Any) -> dict[str, Any]:
     """
     from memwrap.config import options_from, parse_options
 
-    options = options_from(args)
+    # options_from's warning names the caller of options_from: re-issued from here, it names the caller of this one.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        options = options_from(args)
+    for found in caught:
+        warnings.warn(found.message, found.category, stacklevel=2)
     options = {k: _plain(v) for k, v in options.items()}  # plain strings, not HF enums
     # Overrides given under memwrap's names replace the Hugging Face names they alias.
     for alias, target in (("gradient_accumulation_steps", "accumulate"), ("gradient_checkpointing", "checkpoint"),
@@ -411,56 +395,4 @@ def wrap_options(args: Any, **overrides: Any) -> dict[str, Any]:
             options.pop(alias, None)
     options = {**options, **overrides}
     parse_options(**options)
-    _warn_unapplied(args)
     return options
-
-
-def _warn_unapplied(args: Any) -> None:
-    changed = _changed_fields(args)
-    if not changed:
-        return
-    parts = []
-    for home, names in _LOOP_HOMES:
-        mine = [f"{n}={changed.pop(n)}" for n in names if n in changed]
-        if mine:
-            parts.append(f"{home}: {', '.join(mine)}")
-    if changed:
-        parts.append(f"other Trainer settings (apply those your loop needs, e.g. seed): "
-                     f"{', '.join(f'{n}={v}' for n, v in changed.items())}")
-    warnings.warn(f"TrainingArguments fields that wrap() does not apply, to handle in your loop: {'; '.join(parts)}.",
-                  UserWarning, stacklevel=3)
-
-
-def _changed_fields(args: Any) -> dict[str, str]:
-    """``{field: short repr}`` of every field wrap() does not read whose value is not Hugging Face's default."""
-    from memwrap.config import HF_ALIASES
-
-    defaults = _defaults(args)
-    changed = {}
-    for name, default in defaults.items():
-        if name in HF_ALIASES or name == "output_dir" or not hasattr(args, name):
-            continue
-        value = getattr(args, name)
-        if _plain(value) == _plain(default):
-            continue
-        if name in _MIRRORED and getattr(args, _MIRRORED[name], None) == value:
-            continue
-        text = repr(_plain(value))
-        changed[name] = text if len(text) <= 60 else text[:57] + "..."
-    return changed
-
-
-def _defaults(args: Any) -> dict[str, Any]:
-    """Field defaults to compare ``args`` with: a default instance of its class where one can be built."""
-    if not dataclasses.is_dataclass(args):
-        return dict(_HF_DEFAULTS)  # duck-typed: only the fields whose default is known
-    fields = [f for f in dataclasses.fields(args) if f.init]
-    try:
-        # __post_init__ normalizes values (report_to, accelerator_config, ...): compare like with like.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            reference = type(args)(output_dir=getattr(args, "output_dir", None))
-        return {f.name: getattr(reference, f.name) for f in fields}
-    except Exception:  # a subclass with required fields: the declared defaults will do
-        return {f.name: f.default if f.default is not dataclasses.MISSING else
-                (f.default_factory() if f.default_factory is not dataclasses.MISSING else None) for f in fields}
