@@ -43,8 +43,12 @@ def _accelerated_type() -> type | None:
 
 def _steps(accelerated: Any) -> int:
     """accelerate's gradient_accumulation_steps as ``accelerated`` reads it (its shared gradient state)."""
+    return _num_steps(getattr(accelerated, "gradient_state", None))
+
+
+def _num_steps(gradient_state: Any) -> int:
     try:
-        return max(1, int(accelerated.gradient_state.num_steps))
+        return max(1, int(gradient_state.num_steps))
     except (AttributeError, TypeError, ValueError):  # another accelerate layout: nothing accumulates there
         return 1
 
@@ -60,27 +64,42 @@ def accelerated_optimizer(optimizer: Any) -> Any:
     return optimizer if cls is not None and isinstance(optimizer, cls) else None
 
 
-def _holders(obj: Any, kind: type, attribute: str) -> list[Any]:
-    """Instances of ``kind`` whose ``attribute`` is ``obj``, among ``obj``'s referrers (one scan of the heap).
+def _holders(obj: Any, refs: list[Any], kind: type, marks: tuple[str, ...]) -> list[Any]:
+    """Attribute tables (``vars()``) of the instances of ``kind`` among ``refs`` (``obj``'s referrers) whose
+    ``optimizer`` is ``obj``.
 
-    An instance whose attributes live in a materialized ``__dict__`` is referred to through that dict: only a dict
-    holding ``obj`` under ``attribute`` is followed, to its owner (one more scan, rarely needed).
+    An instance whose attributes live in a materialized ``__dict__`` is referred to through that dict; such a dict is
+    recognized by ``marks``, attribute names every instance of ``kind`` sets (no owner lookup is needed).
     """
     found = []
-    for ref in gc.get_referrers(obj):
+    for ref in refs:
         if isinstance(ref, kind):
-            if getattr(ref, attribute, None) is obj:
-                found.append(ref)
-        elif type(ref) is dict and ref.get(attribute) is obj:
-            found.extend(owner for owner in gc.get_referrers(ref)
-                         if isinstance(owner, kind) and getattr(owner, "__dict__", None) is ref)
+            table = getattr(ref, "__dict__", {})
+        elif type(ref) is dict and all(m in ref for m in marks):
+            table = ref
+        else:
+            continue
+        if table.get("optimizer") is obj:
+            found.append(table)
     return found
+
+
+def _owner(table: dict, kind: type) -> Any:
+    """The instance of ``kind`` whose attribute table ``table`` is (one more scan: only for a wrapper found)."""
+    return next((o for o in gc.get_referrers(table) if isinstance(o, kind) and getattr(o, "__dict__", None) is table),
+                None)
+
+
+def _trainer_steps(tables: list[dict]) -> int:
+    steps = [getattr(t.get("args"), "gradient_accumulation_steps", 1) for t in tables]
+    return max([n for n in steps if isinstance(n, int)] or [1])
 
 
 def outer_accumulation(optimizer: torch.optim.Optimizer) -> tuple[int, str]:
     """``(steps, who)``: the accumulation an outer accelerate or Trainer loop applies around ``optimizer``.
 
-    ``steps`` is 1 when nothing accumulates outside memwrap. Looked up once, at the first ``step()``.
+    ``steps`` is 1 when nothing accumulates outside memwrap. Looked up once, at the first ``step()``: one scan of
+    ``optimizer``'s referrers, one more when an accelerate wrapper holds it (to find a Trainer holding that).
 
     Example:
         >>> outer_accumulation(torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1))
@@ -88,19 +107,23 @@ def outer_accumulation(optimizer: torch.optim.Optimizer) -> tuple[int, str]:
     """
     accelerated_cls = _accelerated_type()
     trainer_cls = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)
+    if accelerated_cls is None and trainer_cls is None:
+        return 1, ""
+    refs = gc.get_referrers(optimizer)
     steps, who = 1, ""
-    held = [optimizer]  # what a Trainer may hold: memwrap's optimizer, or accelerate's wrapper of it
+    trainers = _holders(optimizer, refs, trainer_cls, ("args", "accelerator")) if trainer_cls is not None else []
     if accelerated_cls is not None:
-        for outer in _holders(optimizer, accelerated_cls, "optimizer"):
-            held.append(outer)
-            if _steps(outer) > steps:
-                steps, who = _steps(outer), f"accelerate's gradient_accumulation_steps={_steps(outer)}"
-    if trainer_cls is not None:  # Trainer sets accelerate's num_steps to 1 and calls step() once per window itself
-        for obj in held:
-            for trainer in _holders(obj, trainer_cls, "optimizer"):
-                n = getattr(getattr(trainer, "args", None), "gradient_accumulation_steps", 1)
-                if isinstance(n, int) and n > steps:
-                    steps, who = n, f"the Trainer's gradient_accumulation_steps={n}"
+        for table in _holders(optimizer, refs, accelerated_cls, ("gradient_state", "accelerator_state")):
+            n = _num_steps(table.get("gradient_state"))
+            if n > steps:
+                steps, who = n, f"accelerate's gradient_accumulation_steps={n}"
+            outer = _owner(table, accelerated_cls) if trainer_cls is not None else None
+            if outer is not None:  # Trainer holds accelerate's wrapper after accelerator.prepare
+                trainers += _holders(outer, gc.get_referrers(outer), trainer_cls, ("args", "accelerator"))
+    del refs
+    n = _trainer_steps(trainers)  # Trainer sets accelerate's num_steps to 1 and calls step() once per window itself
+    if n > steps:
+        steps, who = n, f"the Trainer's gradient_accumulation_steps={n}"
     return steps, who
 
 
