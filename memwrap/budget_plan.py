@@ -265,7 +265,7 @@ class BudgetPlanner:
                                         global_batch=m * count * ranks, micro_batches=[m], margin=self.margin,
                                         world_size=ranks, strategy=strategy,
                                         max_grad_norm=self.opts.max_grad_norm, keep_optim=self._keep(module),
-                                        **space)
+                                        keep_precision=self.model._precision.name, **space)
             except (RuntimeError, TypeError) as exc:
                 raise ValueError(
                     f"budget= could not trace one training step of the model on this batch ({type(exc).__name__}: "

@@ -154,7 +154,8 @@ def test_a_precision_plugin_is_searched_by_the_planner():
         assert "k-fp32-twin" in default_precisions()
         build = _llama()
         p = plan(build, lambda mb: _batch(b=mb), budget="1GiB", global_batch=2, micro_batches=(2,),
-                 checkpoints=(None,), optimizers=("adamw",), step_in_backward=(False,), chunked_loss=(False,))
+                 checkpoints=(None,), optimizers=("adamw",), step_in_backward=(False,), chunked_loss=(False,),
+                 keep_precision=None)  # any precision: every registered one is searched
         twin = [c for c in p.candidates if c.precision == "k-fp32-twin"]
         fp32 = [c for c in p.candidates if c.precision == "fp32"]
         assert len(twin) == 1 and twin[0].estimate.peak == fp32[0].estimate.peak

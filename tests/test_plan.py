@@ -47,9 +47,11 @@ def test_candidates_keep_the_global_batch_and_cover_the_grid(grid):
 def _check_ranking(p):
     fits = [c.fits for c in p.candidates]
     assert fits == sorted(fits, reverse=True), "a fitting candidate is ranked below one that does not fit"
-    fitting = [(bool(c.changes), c.seconds) for c in p.candidates if c.fits]
-    assert fitting == sorted(fitting)  # the user's optimizer first, each group by predicted time
-    assert all(bool(c.changes) == (c.optim != p.keep_optim) for c in p.candidates)
+    # Your maths first, then an optimizer that only approximates yours, then other maths; each by predicted time.
+    closeness = lambda c: 0 if not c.changes else 1 if len(c.changes) == 1 and "(approximates" in c.changes[0] else 2  # noqa: E731
+    fitting = [(closeness(c), c.seconds) for c in p.candidates if c.fits]
+    assert fitting == sorted(fitting)
+    assert all(bool(c.changes) == (c.optim != p.keep_optim or c.precision != p.keep_precision) for c in p.candidates)
     for c in p.candidates:
         assert c.fits == (c.estimate.peak + c.margin <= p.budget)
     assert p.best is (p.candidates[0] if p.candidates[0].fits else None)
@@ -194,7 +196,7 @@ def test_a_fitting_candidate_with_the_users_optimizer_ranks_before_a_faster_one_
     assert fastest.optim == "adamw_8bit"  # less optimizer state to stream: predicted faster
     assert p.keep_optim == "adamw" and p.best.optim == "adamw" and not p.best.changes
     assert p.best.seconds == min(c.seconds for c in adamw)
-    assert "It keeps your optimizer (adamw)" in p.verdict and "changes the training maths" in p.verdict
+    assert "It keeps your training maths (optimizer adamw, precision fp32)" in p.verdict and "changes it" in p.verdict
     assert "optim='adamw'" in p.code()
     # keep_optim=None: speed alone, as before
     free = plan(factory, make_batch, budget=budget, global_batch=4, micro_batches=(4,), precisions=("bf16",),
@@ -210,9 +212,33 @@ def test_the_verdict_says_when_the_best_plan_changes_the_optimizer(grid):
               "paged)")
     assert p.fits and p.best.optim == "adamw_8bit" and p.best.changes == (change,)
     assert f"NOTE: this changes the training maths ({change})" in p.verdict
-    assert "no candidate with adamw fits" in p.verdict and p.fmt(smallest_adamw) in p.verdict
+    smallest_kept = min(c.required for c in grid.candidates if c.optim == "adamw" and c.precision == "fp32")
+    assert "no candidate keeping your optimizer adamw, precision fp32 fits" in p.verdict
+    assert p.fmt(smallest_kept) in p.verdict
     d = p.to_dict()
     assert d["changes_maths"] is True and d["best"]["changes"] == [change]
+
+
+def test_the_plan_keeps_your_precision_and_names_a_change_of_it():
+    # Issue 22 item 13: a plan that picked bf16-true for an AdamW fp32 user listed no change and said it "keeps your
+    # optimizer". Your precision is kept unless you list others; a candidate with another one names the change.
+    one = dict(global_batch=2, micro_batches=(2,), checkpoints=(None,), optimizers=("adamw",), margin=(0, 0),
+               step_in_backward=(False,), chunked_loss=(False,))
+    both = plan(factory, make_batch, budget="4GiB", precisions=("bf16-true", "fp32"), **one)
+    fp32 = next(c for c in both.candidates if c.precision == "fp32")
+    true = next(c for c in both.candidates if c.precision == "bf16-true")
+    assert true.required < fp32.required and both.best is fp32  # yours ranks first while it fits
+    tight = both.with_budget(fp32.required - 1)  # only bf16-true fits
+    change = "precision fp32 -> bf16-true (weights, gradients and optimizer state stored in bfloat16)"
+    assert tight.best is not None and tight.best.precision == "bf16-true" and tight.best.changes == (change,)
+    assert f"NOTE: this changes the training maths ({change})" in tight.verdict and "keeps" not in tight.verdict
+    assert tight.to_dict()["changes_maths"] is True
+    # By default only your precision is searched: nothing fits at that budget, and the verdict says how to allow more.
+    kept = plan(factory, make_batch, budget=fp32.required - 1, **one)
+    assert {c.precision for c in kept.candidates} == {"fp32"} and not kept.fits
+    assert "Your precision (fp32) was kept" in kept.verdict and "--keep-precision any" in kept.verdict
+    with pytest.raises(ValueError, match="unknown precision 'fp33'"):
+        plan(factory, make_batch, budget="4GiB", keep_precision="fp33", **one)
 
 
 def test_keep_optim_accepts_an_alias():

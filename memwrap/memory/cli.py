@@ -58,8 +58,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="upper bound of random token ids (--input-dtype long; default 32000)")
     p.add_argument("--micro-batches", help="comma-separated micro-batch sizes to try (default: powers of two)")
     p.add_argument("--precisions", default=None,
-                   help="comma-separated precision modes, e.g. bf16,bf16-true (default: every registered precision "
-                        "plugin; `python -c 'import memwrap; print(memwrap.precisions())'`)")
+                   help="comma-separated precision modes to search, e.g. fp32,bf16,bf16-true (default: only "
+                        "--keep-precision, yours; with --keep-precision any, every registered precision plugin: "
+                        "`python -c 'import memwrap; print(memwrap.precisions())'`)")
     p.add_argument("--step-in-backward", default="auto", choices=("auto", "both", "yes", "no"),
                    help="plan the optimizer step inside backward: auto/both try with and without it where wrap() "
                         "allows it (default), yes only with it, no never")
@@ -75,6 +76,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--keep-optim", default="adamw", metavar="NAME",
                    help="the optimizer you train with (default adamw): configurations that keep it rank before those "
                         "that change the optimizer, i.e. the training maths; 'any' ranks by predicted speed alone")
+    p.add_argument("--keep-precision", default="fp32", metavar="NAME",
+                   help="the precision you train with (default fp32): kept unless --precisions lists others, which "
+                        "then rank after it as changes of the training maths; 'any' searches every registered "
+                        "precision, ranked by predicted speed alone")
     p.add_argument("--world-size", default="1", metavar="N[,N...]",
                    help="data-parallel ranks (GPUs), e.g. 4 or 2,4,8: --budget is then per GPU and --batch the global "
                         "batch (micro-batch x accumulate x world size)")
@@ -451,6 +456,7 @@ def run(args: argparse.Namespace) -> int:
         margin = Margin.parse((args.margin, args.margin_bytes))  # the same validation as plan(margin=...)
         top = _top(args.top)
         keep = None if args.keep_optim.strip().lower() in ("any", "none") else args.keep_optim
+        keep_precision = None if args.keep_precision.strip().lower() in ("any", "none") else args.keep_precision
         factory, make_batch, global_batch, loss = _model_and_batches(args)
         micro = _micro_batches(args.micro_batches)
     except ValueError as exc:
@@ -462,7 +468,8 @@ def run(args: argparse.Namespace) -> int:
                       precisions=_list(args.precisions),
                       checkpoints=_checkpoints(args.checkpoints) if args.checkpoints is not None else None,
                       optimizers=_list(args.optimizers), micro_batches=micro, margin=margin,
-                      max_grad_norm=args.max_grad_norm, keep_optim=keep, progress=progress,
+                      max_grad_norm=args.max_grad_norm, keep_optim=keep, keep_precision=keep_precision,
+                      progress=progress,
                       world_size=_world_sizes(args.world_size), strategy=_list(args.strategy),
                       step_in_backward=_switch(args.step_in_backward), chunked_loss=_switch(args.chunked_loss))
     except (ValueError, TypeError) as exc:

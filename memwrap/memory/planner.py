@@ -105,6 +105,7 @@ class Plan:
     skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (label, why) not traceable
     keep_optim: str | None = None  # the user's optimizer; None: ranked by speed alone
     keep_note: str = ""  # why no candidate keeping keep_optim was traced, when it was searched but left out
+    keep_precision: str | None = None  # the user's precision; None: any precision is the user's maths
 
     @property
     def unit(self) -> tuple[str, int]:
@@ -163,35 +164,41 @@ class Plan:
             "activations": "activations dominate: shorten the sequence, or lower the micro-batch below the candidates'.",
             "temporaries": "backward temporaries dominate: shorten the sequence or lower the micro-batch.",
         }.get(cat, "")
+        if self.keep_precision is not None and all(c.precision == self.keep_precision for c in self.candidates):
+            advice += (f" Your precision ({self.keep_precision}) was kept: list others (plan(precisions=('bf16', "
+                       f"'bf16-true')), --precisions bf16,bf16-true) or pass keep_precision=None (--keep-precision any) "
+                       f"to let the plan change it.")
         return (f"nothing fits in {fmt(self.budget)}: the smallest peak is {fmt(s.estimate.peak)} "
                 f"(+ margin {fmt(s.margin)} = {fmt(s.required)}) with {s.label}, dominated by "
                 f"{cat} ({fmt(s.estimate.breakdown[cat])}); {advice}")
 
     def _maths_note(self) -> str:
-        """Says when the best candidate changes the training maths, and when one that does would be faster."""
-        b, keep = self.best, self.keep_optim
-        if keep is None:
+        """Says what the best candidate changes in the training maths (optimizer, precision, compensation), and
+        when one that changes it would be faster; an unchanged best says what it keeps."""
+        b, keep, prec = self.best, self.keep_optim, self.keep_precision
+        if keep is None and prec is None:
             return ""
+        yours = ", ".join(x for x in (keep and f"optimizer {keep}", prec and f"precision {prec}") if x)
         kept = [c for c in self.candidates if not c.changes]
         if b.changes:
             if kept:
                 low = min(kept, key=lambda c: c.required)
-                why = (f"no candidate with {keep} fits (the smallest, {low.label}, needs {self.fmt(low.required)})")
+                why = f"no candidate keeping your {yours} fits (the smallest, {low.label}, needs {self.fmt(low.required)})"
             elif self.keep_note:
                 why = self.keep_note
             else:
-                why = f"{keep} was not among the optimizers searched"
-            if _approximates(b.optim) == keep:
+                why = f"no candidate keeping your {yours} was among those searched"
+            if len(b.changes) == 1 and keep is not None and _approximates(b.optim) == keep:
                 return (f" NOTE: this changes the training maths ({'; '.join(b.changes)}): {why}. Its hyperparameters "
                         f"are {keep}'s; the quantized or paged state can still shift convergence slightly.")
-            return (f" NOTE: this changes the training maths ({'; '.join(b.changes)}): {why}. The new optimizer "
-                    f"has other hyperparameters and convergence; check them before a long run.")
+            return (f" NOTE: this changes the training maths ({'; '.join(b.changes)}): {why}. Check what it changes "
+                    f"(a new optimizer has other hyperparameters; a lower precision other rounding) before a long run.")
         faster = [c for c in self.candidates if c.fits and c.changes and c.seconds < b.seconds]
         if faster:
             f = min(faster, key=lambda c: c.seconds)
-            return (f" It keeps your optimizer ({keep}); {f.label} would be {b.seconds / f.seconds:.2f}x faster but "
-                    f"changes the training maths ({'; '.join(f.changes)}).")
-        return f" It keeps your optimizer ({keep})."
+            return (f" It keeps your training maths ({yours}); {f.label} would be {b.seconds / f.seconds:.2f}x faster "
+                    f"but changes it ({'; '.join(f.changes)}).")
+        return f" It keeps your training maths ({yours})."
 
     @property
     def layouts(self) -> list[dict[str, Any]]:
@@ -218,9 +225,10 @@ class Plan:
 
         margin_ = Margin.parse(margin) if margin is not None else self.margin
         cands = [dataclasses.replace(c) for c in self.candidates]
-        ranked = fewest_gpus_first(rank(cands, parse_budget(budget), margin_, keep_optim=self.keep_optim))
+        ranked = fewest_gpus_first(rank(cands, parse_budget(budget), margin_, keep_optim=self.keep_optim,
+                                        keep_precision=self.keep_precision))
         return Plan(ranked, parse_budget(budget), self.global_batch, margin_, self.seconds, list(self.skipped),
-                    self.keep_optim, self.keep_note)
+                    self.keep_optim, self.keep_note, self.keep_precision)
 
     def code(self, model: str = "model", optimizer: str = "optimizer") -> str:
         """The two lines to paste for the best candidate (or the smallest, when nothing fits)."""
@@ -254,6 +262,7 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
          precisions: Iterable[str] | None = None, checkpoints: Iterable[Any] | None = None,
          optimizers: Iterable[str] | None = None, micro_batches: Iterable[int] | None = None,
          margin: Any = None, max_grad_norm: float | None = None, keep_optim: Any = "adamw",
+         keep_precision: str | None = "fp32",
          progress: Callable[[int, int, str], Any] | None = None, world_size: Any = 1, strategy: Any = None,
          step_in_backward: Iterable[bool] | None = None, chunked_loss: Iterable[Any] | None = None,
          _cache: dict | None = None) -> Plan:
@@ -278,7 +287,11 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
     (8% of the peak + 1 GiB), a fraction such as 0.1 (the 1 GiB fixed part is kept), a
     ``(fraction, size)`` pair such as ``(0.1, "512MiB")`` or ``(0, 0)``, or a :class:`Margin`.
     ``progress(done, total, label)`` is called as traces finish.
-    ``precisions`` defaults to every registered precision plugin (``bf16-true`` included); ``step_in_backward``
+    ``keep_precision`` is the precision you train with (default ``"fp32"``): it is kept unless you let it change,
+    by listing the precisions to search (``precisions=('bf16', 'bf16-true', 'fp32')``) or with
+    ``keep_precision=None`` (every registered precision plugin, ranked by speed alone); a candidate with another
+    precision names the change in ``changes`` and the verdict and ranks after those keeping yours, as an optimizer
+    change does. ``step_in_backward``
     and ``chunked_loss`` (lists of values, default: both where they apply) and paged optimizer state are plan
     dimensions too (see :mod:`memwrap.memory.techniques`).
     ``world_size`` (an int or a list) and ``strategy`` (``"fsdp2"``, ``"ddp"``, a list, or None for both
@@ -302,6 +315,13 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
                         "e.g. lambda mb: preset_batch('gpt2', mb, 1024).")
     margin_ = Margin.parse(margin)
     keep = _keep_optim(keep_optim, model)
+    if keep_precision is not None:
+        from memwrap.precision import get_precision_class
+
+        if not isinstance(keep_precision, str):
+            raise TypeError(f"plan(keep_precision={keep_precision!r}) must be a precision name such as 'fp32', or "
+                            "None (any precision).")
+        keep_precision = get_precision_class(keep_precision).name  # an unknown name: wrap()'s own message
     step_in_backward = plan_values("step_in_backward", step_in_backward, single=(bool,), element=(bool,),
                                    example=", e.g. step_in_backward=False or (False, True)")
     chunked_loss = plan_values("chunked_loss", chunked_loss, single=(bool, int), element=(bool, int),
@@ -323,8 +343,8 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
         return plan_layouts(plan, shardings, model, make_batch, budget=budget, global_batch=global_batch,
                             candidates=candidates, loss_fn=loss_fn, precisions=precisions, checkpoints=checkpoints,
                             optimizers=optimizers, micro_batches=micro_batches, margin=margin,
-                            max_grad_norm=max_grad_norm, keep_optim=keep_optim, progress=progress,
-                            step_in_backward=step_in_backward, chunked_loss=chunked_loss)
+                            max_grad_norm=max_grad_norm, keep_optim=keep_optim, keep_precision=keep_precision,
+                            progress=progress, step_in_backward=step_in_backward, chunked_loss=chunked_loss)
     # Traces and state floors shared by the stages of one search (same model, batch and layout).
     cache = _cache if _cache is not None else {"traces": {}, "floors": {}}
     if optimizers is None and candidates is None and keep is not None:
@@ -332,7 +352,7 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
         # matter when none does: search them only then (38 installed optimizers would multiply the traces).
         kept = plan(model, make_batch, budget=budget, global_batch=global_batch, loss_fn=loss_fn, precisions=precisions,
                     checkpoints=checkpoints, optimizers=(keep,), micro_batches=micro_batches, margin=margin,
-                    max_grad_norm=max_grad_norm, keep_optim=keep, progress=_stage(progress, f"stage 1 ({keep} only)"),
+                    max_grad_norm=max_grad_norm, keep_optim=keep, keep_precision=keep_precision, progress=_stage(progress, f"stage 1 ({keep} only)"),
                     world_size=world_size,
                     strategy=strategy, step_in_backward=step_in_backward, chunked_loss=chunked_loss, _cache=cache)
         if kept.best is not None and kept.best.fits and not kept.best.changes:
@@ -349,7 +369,9 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
     from memwrap.memory.techniques import (default_precisions, expand_techniques, family, over_budget,
                                            prune_by_weights, state_floor, technique_values, trace_options, traced_as)
 
-    specs = _expand(per_rank, candidates, micro_batches, tuple(precisions) if precisions is not None else default_precisions(),
+    if precisions is None:  # your precision is kept unless you list others (or keep_precision=None: any)
+        precisions = (keep_precision,) if keep_precision is not None else default_precisions()
+    specs = _expand(per_rank, candidates, micro_batches, tuple(precisions),
                     tuple(checkpoints) if checkpoints is not None else default_checkpoints(),
                     tuple(optimizers) if optimizers is not None else default_optimizers())
     if not specs:
@@ -454,8 +476,9 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
             progress(done, total, f"traced {done}/{total}")
     if not results:
         raise ValueError(f"no candidate could be traced: {skipped[0][1] if skipped else 'empty grid'}")
-    return Plan(rank(results, budget_bytes, margin_, keep_optim=keep), budget_bytes, global_batch, margin_,
-                time.perf_counter() - start, skipped, keep, _keep_note(keep, specs, results, floors))
+    return Plan(rank(results, budget_bytes, margin_, keep_optim=keep, keep_precision=keep_precision), budget_bytes,
+                global_batch, margin_, time.perf_counter() - start, skipped, keep,
+                _keep_note(keep, specs, results, floors), keep_precision)
 
 
 def _stage(progress: Callable[[int, int, str], Any] | None, stage: str) -> Callable[[int, int, str], Any] | None:

@@ -10,17 +10,21 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from memwrap.memory.margin import Margin
 
 __all__ = ["rank"]
 
 
-def rank(candidates: list[Any], budget: int, margin: Margin, *, keep_optim: str | None = None) -> list[Any]:
+def rank(candidates: list[Any], budget: int, margin: Margin, *, keep_optim: str | None = None,
+         keep_precision: str | None = None) -> list[Any]:
     """Judge each candidate against ``budget`` (peak + margin) and order them: those that fit first, the
-    ones keeping ``keep_optim`` (same training maths), then those whose optimizer approximates it
-    (``OptimizerSpec.approximates``: 8-bit, 4-bit or paged AdamW for AdamW), then the others, each group by
-    predicted step time; then the candidates that do not fit by the memory they need. ``cost`` is relative to
-    the fastest.
+    ones keeping your training maths (``keep_optim`` and ``keep_precision``), then those whose only change is an
+    optimizer that approximates yours (``OptimizerSpec.approximates``: 8-bit, 4-bit or paged AdamW for AdamW), then
+    the others, each group by predicted step time; then the candidates that do not fit by the memory they need.
+    ``cost`` is relative to the fastest. Each candidate's ``changes`` names every option that changes the maths:
+    the optimizer, the precision (``fp32 -> bf16-true``: weights stored in bf16), uncompensated bf16 updates.
 
     Example:
         >>> [c.optim for c in rank(cands, 8 * 2**30, Margin(), keep_optim="adamw") if c.fits][:1]  # doctest: +SKIP
@@ -39,12 +43,14 @@ def rank(candidates: list[Any], budget: int, margin: Margin, *, keep_optim: str 
             c.changes = (f"optimizer {keep_optim} -> {c.optim}" + (f" (approximates {keep_optim}: the same update, its "
                                                                   "state stored in fewer bits or paged)"
                                                                   if near[c.optim] else ""),)
+        if keep_precision is not None and _canonical(c.precision) != keep_precision:
+            c.changes += (f"precision {keep_precision} -> {c.precision} ({_precision_effect(c.precision)})",)
         if c.extra.get("compensation") == "none":  # bf16 storage without compensated updates: small steps round away
             c.changes += (f"{c.precision} updates uncompensated (compensation='none')",)
 
     def closeness(c: Any) -> int:
-        # 0: your maths; 1: an optimizer that approximates yours; 2: other maths
-        return 0 if not c.changes else 1 if near.get(c.optim) else 2
+        # 0: your maths; 1: only an optimizer that approximates yours; 2: other maths
+        return 0 if not c.changes else 1 if near.get(c.optim) and len(c.changes) == 1 else 2
 
     return sorted(candidates, key=lambda c: (0, closeness(c), bool(c.changes), c.seconds) if c.fits
                   else (1, c.required, c.seconds))
@@ -58,3 +64,29 @@ def _approximates(optim: str) -> str | None:
         return get_optimizer_spec(optim).approximates
     except ValueError:  # a name the registry no longer knows: its own maths
         return None
+
+
+def _precision_effect(precision: str) -> str:
+    """How a precision changes the maths, for ``changes``: its plugin's storage dtype and autocast."""
+    from memwrap.precision import get_precision
+
+    try:
+        mode = get_precision(precision)
+    except ValueError:
+        return "other arithmetic"
+    stored = getattr(mode, "param_dtype", None)
+    if stored is not None and stored != torch.float32:
+        return f"weights, gradients and optimizer state stored in {str(stored).replace('torch.', '')}"
+    if getattr(mode, "autocast_dtype", None) is not None or getattr(mode, "uses_scaler", False):
+        return "matmuls in lower precision (autocast)"
+    return "other arithmetic (e.g. TF32 matmuls)"
+
+
+def _canonical(precision: str) -> str:
+    """A precision alias's registered name (``"bf16-mixed"`` -> ``"bf16"``), or the name itself if unknown."""
+    from memwrap.precision import get_precision_class
+
+    try:
+        return get_precision_class(precision).name
+    except ValueError:
+        return precision

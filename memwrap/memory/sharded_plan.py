@@ -81,10 +81,11 @@ def plan_layouts(plan_fn: Callable, shardings: list[tuple[int, str | None]], mod
         raise ValueError("no candidate could be traced under any world size and strategy.")
     first = real[0]
     cands = [c for p in real for c in p.candidates]
-    ranked = fewest_gpus_first(rank(cands, first.budget, first.margin, keep_optim=first.keep_optim))
+    ranked = fewest_gpus_first(rank(cands, first.budget, first.margin, keep_optim=first.keep_optim,
+                                    keep_precision=first.keep_precision))
     skipped = [x for p in real for x in p.skipped]
     return Plan(ranked, first.budget, first.global_batch, first.margin, sum(p.seconds for p in real), skipped,
-                first.keep_optim, next((p.keep_note for p in real if p.keep_note), ""))
+                first.keep_optim, next((p.keep_note for p in real if p.keep_note), ""), first.keep_precision)
 
 
 def fewest_gpus_first(ranked: list) -> list:
