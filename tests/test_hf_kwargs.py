@@ -238,6 +238,7 @@ def test_one_accumulation_in_an_accelerate_loop_equals_the_big_batch(acc_steps, 
 @pytest.mark.parametrize("wrap_kw, named", [
     ({"accumulate": 2}, "accumulate=2"),  # was: 0.5x the big batch's update, no error
     ({"max_grad_norm": 0.1}, "max_grad_norm=0.1"),  # was: each partial gradient clipped
+    ({"optim": "adamw"}, "optim='adamw'"),  # was: the converted optimizer stepped every micro-batch
 ])
 def test_memwrap_window_work_on_a_prepared_accumulating_optimizer_is_refused_at_wrap(wrap_kw, named):
     pytest.importorskip("accelerate")

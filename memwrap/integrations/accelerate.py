@@ -167,7 +167,8 @@ def check_prepared_optimizer(optimizer: Any, opts: Any, precision: Any, schedule
 
     After ``accelerator.prepare`` with ``gradient_accumulation_steps=N > 1`` the optimizer passed to ``wrap()`` steps
     only once per ``N`` micro-batches. memwrap's window-end work would then run mid-window: a second accumulation
-    (``accumulate=``), clipping or fp16 unscaling of a partial gradient, a wrapped scheduler stepping per micro-batch.
+    (``accumulate=``), clipping or fp16 unscaling of a partial gradient, a wrapped scheduler stepping per micro-batch;
+    and ``optim=`` would build a new optimizer from the wrapper's groups, so accelerate's window would be lost.
     With ``accumulate=1`` and none of those, memwrap passes each ``step()`` on and accelerate decides: allowed.
 
     Example:
@@ -186,6 +187,8 @@ def check_prepared_optimizer(optimizer: Any, opts: Any, precision: Any, schedule
         (f"precision={opts.precision!r} (its loss scale would unscale each partial gradient)",
          getattr(precision, "uses_scaler", False)),
         ("the LR scheduler passed to wrap() (it would step once per micro-batch)", bool(schedulers)),
+        (f"optim={opts.optim!r} (the optimizer built from it replaces accelerate's wrapper, whose window is lost)",
+         getattr(opts, "optim", None) is not None),
     ) if on]
     if not clashes:
         return
