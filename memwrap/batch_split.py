@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["batch_size", "cut_sizes", "cut_batch", "describe_shapes", "UncuttableBatchError"]
+__all__ = ["batch_size", "cut_sizes", "cut_batch", "describe_shapes", "UncuttableBatchError", "Feed",
+           "feeds_by_layout"]
 
 _PLAIN = (str, bytes, int, float, bool, complex, type(None))
 
@@ -209,3 +210,84 @@ def for_planner(micro: Any) -> Any:
     if dataclasses.is_dataclass(micro) and not isinstance(micro, type):
         return {f.name: getattr(micro, f.name) for f in dataclasses.fields(micro)}
     return micro
+
+
+def feeds_by_layout(module: torch.nn.Module, micro: Any) -> bool:
+    """Whether the planner's reading of ``micro`` (:func:`memwrap.memory.batch.split_batch`: a dict as
+    ``model(**batch)``, ...) binds to ``module.forward``'s signature; a forward that cannot be inspected counts
+    as binding.
+
+    Example:
+        >>> feeds_by_layout(torch.nn.Linear(2, 2), {"ids": torch.zeros(1, 2)})
+        False
+    """
+    import inspect
+
+    from memwrap.memory.batch import split_batch
+
+    try:
+        args, kwargs, _ = split_batch(for_planner(micro))
+        signature = inspect.signature(module.forward)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a builtin forward)
+        return True
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
+
+
+@dataclasses.dataclass
+class Feed:
+    """How a loop feeds the model a micro-batch, learned from one call: each argument is the batch entry at a path
+    (``"batch['ids']"``) or a constant; what the call does not use is the loss's. Used by ``budget=`` to trace the
+    model as the loop calls it (:class:`memwrap.memory.batch.Call`).
+
+    Example:
+        >>> micro = {"ids": torch.zeros(1, 3), "labels": torch.zeros(1)}
+        >>> feed = Feed.learn(micro, (micro["ids"],), {})
+        >>> feed.args, feed.call(micro).targets.shape
+        ((('entry', "batch['ids']"),), torch.Size([1]))
+    """
+
+    args: tuple  # ("entry", path) or ("value", constant) per positional argument
+    kwargs: dict  # name -> the same
+
+    @classmethod
+    def learn(cls, micro: Any, args: tuple, kwargs: dict) -> Feed:
+        """The feed whose call on ``micro`` gives ``args`` and ``kwargs`` (batch entries found by identity, or by
+        being the only entry of that shape, dtype and values, as after ``.to(device)``)."""
+        entries = list(_tensors(micro))
+
+        def source(value: Any, where: str) -> tuple:
+            if not isinstance(value, torch.Tensor):
+                return ("value", value)
+            same = [path for path, t in entries if t is value]
+            if not same:
+                same = [path for path, t in entries if t.shape == value.shape and t.dtype == value.dtype
+                        and torch.equal(t.to(value.device), value)]
+            if len(same) != 1:
+                raise UncuttableBatchError(
+                    f"budget= learns how your loop feeds the model from its first call, but the model's {where} is a "
+                    f"tensor of shape {tuple(value.shape)} that is {'none' if not same else 'more than one'} of the "
+                    "batch's entries (computed in the loop?), so the plan cannot trace the model as you call it. Fix: "
+                    "pass the batch's entries to the model as they are (a dtype or device move is fine), compute the "
+                    "rest inside the model's forward, or drop budget= and set accumulate= yourself.")
+            return ("entry", same[0])
+
+        return cls(tuple(source(a, f"argument {i}") for i, a in enumerate(args)),
+                   {k: source(v, f"argument {k!r}") for k, v in kwargs.items()})
+
+    def call(self, micro: Any) -> Any:
+        """``micro`` as the planner traces it: the model's arguments, and the entries the call does not use as the
+        loss's targets (the one left, or a dict of them)."""
+        from memwrap.memory.batch import Call
+
+        entries = dict(_tensors(micro))
+        used = {p for kind, p in (*self.args, *self.kwargs.values()) if kind == "entry"}
+        pick = lambda src: entries[src[1]] if src[0] == "entry" else src[1]  # noqa: E731
+        rest = {p: t for p, t in entries.items() if p not in used}
+        targets = next(iter(rest.values())) if len(rest) == 1 else (rest or None)
+        return Call(tuple(pick(a) for a in self.args), {k: pick(v) for k, v in self.kwargs.items()}, targets)

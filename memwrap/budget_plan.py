@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from memwrap.batch_split import batch_size, cut_batch, describe_shapes, for_planner, split_even
+from memwrap.batch_split import Feed, batch_size, cut_batch, describe_shapes, feeds_by_layout, for_planner, split_even
 from memwrap.budget_checks import check_budget_options, optimizer_name, user_set
 from memwrap.budget_ranks import agree_any, agree_max, agree_plan, world
 from memwrap.memory.budget import format_bytes
@@ -116,6 +116,9 @@ class BudgetPlanner:
         self.plan_seconds = 0.0
         self._applied_checkpoint: Any = _UNSET
         self._foreign_checkpoint: bool | None = None  # the model came checkpointed by the user (set at the first plan)
+        # How the loop calls the model, when the batch's layout does not say it (a dict fed as model(batch["ids"])):
+        # learned from the first forward (see _learning_window); None: the layout's reading (model(**batch), ...).
+        self.feed: Feed | None = None
 
     # --- the loader's side -----------------------------------------------------------------
     def split_pass(self, loader: Any, iterator: Iterator[Any]) -> Iterator[tuple[Any, bool]]:
@@ -128,6 +131,32 @@ class BudgetPlanner:
         upcoming = next(iterator, end)
         while upcoming is not end:
             batch, upcoming = upcoming, None
+            if self._must_learn(batch):
+                # The first window starts with one sample; the model's first call on it says how the loop feeds the
+                # model, and the plan made then cuts the rest of the batch (the window keeps the whole batch).
+                window = self._learning_window(loader, batch)
+                n = batch_size(batch)
+                if n == 1:
+                    upcoming = next(iterator, end)
+                else:
+                    loader._position -= 1
+                yield window["first"], n == 1 and upcoming is end
+                micros = window.get("micros")
+                if micros is None:
+                    window["hook"].remove()
+                    raise RuntimeError(
+                        "budget= learns how your loop calls the model from the model's first call, but the first "
+                        "micro-batch went by without one. Fix: call the wrapped model on each micro-batch the loader "
+                        "yields (a batch skipped before any forward leaves nothing to plan from).")
+                for i, micro in enumerate(micros[1:], start=1):
+                    last = i == len(micros) - 1
+                    if last:
+                        upcoming = next(iterator, end)
+                    else:
+                        loader._position -= 1
+                    yield micro, last and upcoming is end
+                del batch, micros, window
+                continue
             micros, sizes = self.cut(batch)
             loader.gate.plan_window(self._weights(loader, micros, sizes))
             for i, micro in enumerate(micros):
@@ -164,6 +193,39 @@ class BudgetPlanner:
         # when it is above 1, and a checkpoint records it (the gate accepts any value back, see gate.varies).
         self.model._gate.accumulate = count
         return micros, sizes
+
+    def _must_learn(self, batch: Any) -> bool:
+        """Whether this batch's layout leaves open how the loop calls the model (then the first forward tells)."""
+        if self.feed is not None or self.current is not None:
+            return False
+        return not feeds_by_layout(self._plan_module(), batch)
+
+    def _learning_window(self, loader: Any, batch: Any) -> dict[str, Any]:
+        """The first window when the call must be learned: its first micro-batch (one sample) and a hook on the
+        wrapped model that, at its first call, records the feed, plans the batch, applies the plan and fixes the
+        window (``micros``: the first micro-batch's slot, then the rest of the batch cut to the plan)."""
+        n = batch_size(batch)
+        window: dict[str, Any] = {"first": cut_batch(batch, [1, n - 1])[0] if n > 1 else batch}
+
+        def first_call(module: Any, args: tuple, kwargs: dict) -> None:
+            window["hook"].remove()
+            self.feed = Feed.learn(window["first"], args, kwargs)
+            shapes = describe_shapes(batch)
+            choice = self._covering(n, shapes)
+            if agree_any(choice is None):
+                choice = self._new_plan(batch, n, shapes, choice)
+            self._apply(choice)
+            # The first micro-batch holds one sample; the rest are cut to the plan's micro-batch (or to the user's
+            # accumulate=, counting the first).
+            rest = agree_max(max(1, self._count(n, choice) - 1, -(-(n - 1) // choice.micro_batch))) if n > 1 else 0
+            sizes = [1] + split_even(n - 1, min(rest, n - 1)) if n > 1 else [1]
+            micros = cut_batch(batch, sizes)
+            self.model._gate.accumulate = len(sizes)
+            loader.gate.plan_window(self._weights(loader, micros, sizes))
+            window["micros"] = micros
+
+        window["hook"] = self.model.register_forward_pre_hook(first_call, with_kwargs=True)
+        return window
 
     def _count(self, n: int, choice: BudgetChoice) -> int:
         count = -(-n // choice.micro_batch)
@@ -257,7 +319,8 @@ class BudgetPlanner:
         start = time.perf_counter()
         for m in sizes:
             count = -(-n // m)
-            micro = for_planner(cut_batch(batch, split_even(n, count))[0] if count > 1 else batch)
+            micro = cut_batch(batch, split_even(n, count))[0] if count > 1 else batch
+            micro = self.feed.call(micro) if self.feed is not None else for_planner(micro)  # as the loop calls it
             rest = int(per_sample * (n - m))
             room = self.budget - rest
             try:
@@ -269,7 +332,9 @@ class BudgetPlanner:
             except (RuntimeError, TypeError) as exc:
                 raise ValueError(
                     f"budget= could not trace one training step of the model on this batch ({type(exc).__name__}: "
-                    f"{exc}). The planner calls the model as memwrap.estimate does: a tuple (inputs, targets) as "
+                    f"{exc}). The planner calls the model as your loop's first call did"
+                    f"{f' ({self.feed})' if self.feed is not None else ''}, or when the batch's layout says how, as "
+                    "memwrap.estimate does: a tuple (inputs, targets) as "
                     "model(inputs) (model(*inputs) for a tuple of inputs, model(**inputs) for a dict), a dict or "
                     "mapping as model(**batch), a tensor as model(batch). Fix: make the loader's batches follow that "
                     "convention, or drop budget= and choose the split with `memwrap plan` and accumulate=.") from exc

@@ -372,6 +372,58 @@ def test_budget_plans_your_optimizer_as_built_momentum_state_included():
     assert_same_params(model, plain_model, atol=1e-6)  # and the update is the unsplit batch's, momentum and all
 
 
+class Plain(nn.Module):
+    """forward(x) only: model(**batch) does not bind, the loop feeds model(batch["ids"])."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(32, 256), nn.Linear(256, 8)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_dict_batches_fed_by_hand_are_planned_as_the_loop_calls_the_model():
+    # Issue 22 item 26: the planner traced model(**batch) and refused ("unexpected keyword argument 'ids'"). The
+    # first window starts with one sample; the model's first call says how the loop feeds it.
+    g = torch.Generator().manual_seed(3)
+    batches = [{"ids": torch.randn(n, 32, generator=g), "labels": torch.randn(n, 8, generator=g), "tag": "train"}
+               for n in (256, 256, 200)]
+    loss = lambda m, b: (m(b["ids"]) - b["labels"]).pow(2).mean()  # noqa: E731
+    plain = Plain()
+    budget = int(allocator_peak(lambda: loss(plain, batches[0]).backward(), plain, batches[0]) * 0.8)
+    model = Plain()
+    # SGD: its update is linear in the gradient, so the comparison with the unsplit batch is tight (Adam's
+    # normalisation turns summation-order noise in near-zero gradients into full-size steps).
+    wmodel, opt, loader = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), batches,
+                                       budget=f"{budget}B", checkpoint=None)
+    opt.budget_plan.log = None
+    sizes = []
+    for micro in loader:
+        sizes.append(micro["ids"].shape[0])
+        loss(wmodel, micro).backward()
+        opt.step()
+        opt.zero_grad()
+    planner = opt.budget_plan
+    assert planner.feed.args == (("entry", "batch['ids']"),) and not planner.feed.kwargs
+    assert opt.updates == 3 and planner.current.accumulate > 1 and sizes[0] == 1 and sum(sizes) == 712
+    ref = Plain()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for b in batches:
+        loss(ref, b).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_same_params(model, ref, atol=1e-6)
+    # A call on a tensor that is no entry of the batch cannot be traced as the loop makes it: refused, named.
+    model = Plain()
+    wmodel, opt, loader = memwrap.wrap(model, torch.optim.AdamW(model.parameters()), batches, budget=f"{budget}B")
+    opt.budget_plan.log = None
+    with pytest.raises(UncuttableBatchError, match="model's argument 0 is a tensor of shape \\(1, 32\\) that is none"):
+        for micro in loader:
+            wmodel(micro["ids"] * 2)
+
+
 # --- ranks: one plan for all ---------------------------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -7,12 +7,27 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["split_batch", "default_loss"]
+__all__ = ["split_batch", "default_loss", "Call"]
+
+
+class Call(NamedTuple):
+    """A micro-batch as a loop feeds it to the model: ``model(*args, **kwargs)``, and what the loss gets besides the
+    outputs (``targets``). ``budget=`` learns it from the loop's first forward (:class:`memwrap.batch_split.Feed`)
+    when the batch's own layout does not say it (a dict fed as ``model(batch["ids"])``).
+
+    Example:
+        >>> split_batch(Call((torch.ones(2, 3),), {}, torch.zeros(2)))[0][0].shape
+        torch.Size([2, 3])
+    """
+
+    args: tuple
+    kwargs: dict
+    targets: Any
 
 
 def split_batch(batch: Any) -> tuple[tuple, dict, Any]:
@@ -20,12 +35,14 @@ def split_batch(batch: Any) -> tuple[tuple, dict, Any]:
 
     Conventions: a tuple/list ``(inputs, targets)`` calls ``model(inputs)`` (``model(*inputs)`` if
     ``inputs`` is a tuple, ``model(**inputs)`` if a dict); a dict calls ``model(**batch)``; a tensor
-    calls ``model(batch)``.
+    calls ``model(batch)``; a :class:`Call` says the call itself.
 
     Example:
         >>> split_batch((torch.ones(2), torch.zeros(2)))[2].shape
         torch.Size([2])
     """
+    if isinstance(batch, Call):
+        return tuple(batch.args), dict(batch.kwargs), batch.targets
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         inputs, targets = batch
         if isinstance(inputs, dict):
