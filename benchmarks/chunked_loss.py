@@ -183,9 +183,9 @@ def write(args, heads, steps) -> None:
               "each chunk's weight gradient to the engine to add. cut-cross-entropy's `torch_compile` path is the "
               "fastest on CPU (fused softmax; it drops ignored tokens first) but selects tokens with a data-dependent "
               "shape, so it cannot be traced on fake tensors for the planner; its Triton `cce` path needs CUDA (not "
-              "measured here). The whole-step estimate of the chunked GPT (tied head) over-predicts the measured peak "
-              "(under torch's MemTracker autograd adds the tied weight's two gradients out of place, without it in place: one weight-sized tensor, on the safe side; an "
-              "untied Llama of the same shape is predicted exactly; see docs/chunked_loss.md)."]
+              "measured here). The whole-step estimates model where the real autograd engine adds a tied weight's two "
+              "gradients in place (under any dispatch mode it adds them out of place; memwrap/memory/grad_accumulation.py "
+              "corrects the trace for it, see docs/planner.md)."]
     (OUT / "chunked_loss.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib

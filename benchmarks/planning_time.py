@@ -24,12 +24,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "benchmarks"
 COMMANDS = {
-    "llama-7b fsdp2 x4, 24 GiB": "--preset llama-7b --world-size 4 --strategy fsdp2 --batch 8 --seq 2048 --budget 24GiB",
+    "llama-7b fsdp2 x4, 24 GiB": "--preset llama-7b --world-size 4 --strategy fsdp2 --batch 8 --seq 2048 --budget 24GiB --keep-precision any",
     "llama-2-70b fsdp2 x8, 80 GiB": "--preset llama-2-70b --world-size 8 --strategy fsdp2 --batch 8 --seq 4096 "
-                                    "--budget 80GiB",
-    "llama-7b 1 GPU, 24 GiB": "--preset llama-7b --batch 1 --seq 2048 --budget 24GiB",
-    "llama-3-8b 1 GPU, 24 GiB": "--preset llama-3-8b --batch 2 --seq 2048 --budget 24GiB",
-    "gpt2-tiny, 1 GiB (margin alone over budget)": "--preset gpt2-tiny --batch 8 --seq 64 --budget 1GiB",
+                                    "--budget 80GiB --keep-precision any",
+    "llama-7b 1 GPU, 24 GiB": "--preset llama-7b --batch 1 --seq 2048 --budget 24GiB --keep-precision any",
+    "llama-3-8b 1 GPU, 24 GiB": "--preset llama-3-8b --batch 2 --seq 2048 --budget 24GiB --keep-precision any",
+    "gpt2-tiny, 1 GiB (margin alone over budget)": "--preset gpt2-tiny --batch 8 --seq 64 --budget 1GiB --keep-precision any",
 }
 
 

@@ -99,7 +99,9 @@ def memwrap_loss_heads() -> list:
         ``matches(model) -> bool`` recognizing a model family, and ``forward(model, args, kwargs, loss)``
         which runs a labelled call through the model's body and returns an output like the model's with
         ``loss`` computed by the given chunked ``loss(hidden, head_weight, labels, ...)`` and no logits
-        (None for a call without labels: the model then runs unchanged).
+        (None for a call without labels: the model then runs unchanged). An optional ``head(model)`` names
+        the module the adapter replaces; memwrap then accepts only a plain ``nn.Linear`` head without hooks
+        there, at ``wrap()`` and at each labelled forward (:func:`memwrap.loss_head.head_problem`).
 
     Called when ``wrap(chunked_loss=...)`` resolves the model's adapter. All results are collected (not
     ``firstresult``); exactly one adapter must match a model: none, or two, is an error at ``wrap()``

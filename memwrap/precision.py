@@ -201,7 +201,9 @@ def convert_model(precision: Precision, module: nn.Module,
     entries) is recorded first; if ``convert_module`` raises part-way, all of it is put back, bit for bit, and the
     error propagates; the returned undo does the same after a success. The record holds the old storage while the
     undo lives (``wrap()`` drops it when the call succeeds), so ``wrap()`` briefly holds both copies of a converted
-    tensor (an fp32 model converted to bf16: 1.5x its fp32 weights); a model converted before ``wrap()``
+    tensor on the CPU (an fp32 model converted to bf16: 1.5x its fp32 weights). On an accelerator the old storage of
+    a tensor the conversion may change is copied to host memory instead, so the device frees each fp32 tensor as
+    it is converted, as a plain ``model.to(torch.bfloat16)`` does. A model converted before ``wrap()``
     (``model.to(torch.bfloat16)``) is not converted again and costs nothing here.
 
     Optimizer state: state that exists before the first step (``torch.optim.Adagrad`` creates its ``sum`` in its
@@ -222,7 +224,7 @@ def convert_model(precision: Precision, module: nn.Module,
     modules = list(module.modules())
     entries = [(m, dict(m._parameters), dict(m._buffers)) for m in modules]
     tensors = {id(t): t for m in modules for t in (*m._parameters.values(), *m._buffers.values()) if t is not None}
-    saved = [(t, t.data, t.grad, t.dtype) for t in tensors.values()]
+    saved = [(t, _kept(t.data, precision.param_dtype), t.grad, t.dtype) for t in tensors.values()]
     old_state: dict[int, tuple[dict, dict]] = {}
 
     def undo() -> None:
@@ -232,8 +234,8 @@ def convert_model(precision: Precision, module: nn.Module,
                 m._parameters.update(params)
                 m._buffers.clear()
                 m._buffers.update(buffers)
-            for t, data, grad, _ in saved:
-                t.data = data
+            for t, (data, device), grad, _ in saved:
+                t.data = data if device is None else data.to(device)
                 t.grad = grad
         for state, values in old_state.values():
             state.clear()
@@ -256,6 +258,14 @@ def convert_model(precision: Precision, module: nn.Module,
         undo()
         raise
     return undo
+
+
+def _kept(data: torch.Tensor, target: torch.dtype | None) -> tuple[torch.Tensor, torch.device | None]:
+    """What :func:`convert_model` keeps of a tensor's old storage to restore it: the storage itself, or, for a floating
+    tensor on an accelerator that the conversion may change, a host copy and the device to copy it back to."""
+    if data.device.type in ("cpu", "meta") or not data.is_floating_point() or data.dtype == target:
+        return data, None
+    return data.to("cpu", copy=True), data.device
 
 
 def _scaler_device(device_type: str) -> str:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from memwrap.plugins import hookimpl
+from memwrap.quiet import quiet_loggers
 from memwrap.registry import OptimizerSpec, OptimizerUnavailableError
 
 from ._common import adam_kwargs, strtobool, typed_optim_args
@@ -45,7 +46,9 @@ def available() -> tuple[bool, str]:
 
 def _bnb():
     try:
-        import bitsandbytes
+        # Its CPU backend logs a missing optional kernel package at import: memwrap's import, not the user's.
+        with quiet_loggers("bitsandbytes"):
+            import bitsandbytes
     except ImportError as exc:
         raise OptimizerUnavailableError(f"{INSTALL_HINT} ({exc})") from exc
     return bitsandbytes

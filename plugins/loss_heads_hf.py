@@ -123,7 +123,7 @@ def _forward(model, args, kwargs, loss):
         return_dict = getattr(model.config, "return_dict", True)
     # As the model's own forward: the body gets every other argument, **kwargs included (num_items_in_batch too).
     body_out = model.base_model(**arguments, **extra, return_dict=True)
-    hidden = body_out[0] if isinstance(body_out, tuple) else body_out.last_hidden_state
+    hidden = body_out.last_hidden_state
     head = model.get_output_embeddings()
     shift_labels = extra.get("shift_labels")
     value = loss(hidden, head.weight, labels if shift_labels is None else shift_labels, bias=head.bias,
@@ -131,10 +131,7 @@ def _forward(model, args, kwargs, loss):
                  ignore_index=extra.get("ignore_index", -100), num_items=extra.get("num_items_in_batch"))
     cls = _output_class(type(model))
     fields = {f.name for f in dataclasses.fields(cls)} - {"loss", "logits"}
-    if isinstance(body_out, tuple):
-        carried = {}
-    else:
-        carried = {name: getattr(body_out, name) for name in fields if getattr(body_out, name, None) is not None}
+    carried = {name: getattr(body_out, name) for name in fields if getattr(body_out, name, None) is not None}
     out = cls(loss=value, logits=None, **carried)
     if return_dict:
         return out

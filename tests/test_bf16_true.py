@@ -287,3 +287,19 @@ def test_state_of_an_optimizer_that_already_stepped_is_cast_too():
         state = opt.state[p]
         assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
         assert torch.equal(state["step"], step[p]) and state["step"].dtype == torch.float32  # "step" as torch loads it
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_converting_inside_wrap_does_not_hold_the_fp32_weights_on_the_device():
+    # convert_model keeps what it needs to undo a failed conversion in host memory on an accelerator: the device peak of
+    # wrap(precision="bf16-true") stays at the fp32 weights (plus one tensor in flight), as model.to(bfloat16) does.
+    net = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(8)]).cuda()
+    fp32 = sum(p.numel() * 4 for p in net.parameters())
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    memwrap.wrap(net, precision="bf16-true", compensation="none")
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base <= 1024 * 1024 * 2 + 4096  # one converted tensor in flight
+    assert net[0].weight.dtype == torch.bfloat16 and torch.cuda.memory_allocated() - base <= -fp32 // 2 + 4096

@@ -108,6 +108,9 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     planner = doc["checks"]["planner_vs_cuda"]
     assert planner["target"] == 0.10 and {r["model"] for r in planner["rows"]} == {"gpt2-tiny", "resnet50"}
     for row in planner["rows"]:
+        if "known_gap" in row:  # bitsandbytes' CPU step temporaries (issue 20): reported, with its reason
+            assert row["options"].get("optim") == "adamw_8bit" and row["ratio"] > 1, row
+            continue
         assert abs(row["ratio"] - 1) <= 0.10, row
     assert doc["suggested_margin"] is None  # it needs CUDA's reserved bytes
     # The figures seed_claims.py reads from a GPU run exist under the names it reads.

@@ -13,6 +13,7 @@ import torch
 
 import memwrap
 from tests import resume_worker
+from tests.test_state import assert_same
 
 WORKER = Path(__file__).with_name("resume_worker.py")
 TOTAL = 17  # micro-steps: crosses an epoch end (11 batches, windows of 3, last window of 2)
@@ -124,22 +125,6 @@ def _everything(model, opt, sched, loader):
                           "rng": (torch.get_rng_state(), random.getstate())})
 
 
-def _assert_same(a, b, path="state"):
-    assert type(a) is type(b), path
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            _assert_same(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, path
-
-
 @pytest.fixture(scope="module")
 def saved_runs(tmp_path_factory):
     """A checkpoint saved mid-window (partial gradients, a stepped scheduler) in fp32 and in fp16."""
@@ -192,7 +177,7 @@ def test_a_refused_load_checkpoint_leaves_every_object_bit_identical(tmp_path, s
     with pytest.raises(ValueError, match=match) as refusal:
         memwrap.load_checkpoint(path, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2], loader=fresh[3])
     assert "Fix" in str(refusal.value)
-    _assert_same(_everything(*fresh), before)
+    assert_same(_everything(*fresh), before)
 
 
 def test_a_good_load_after_a_refused_one_is_still_exact(saved_runs):
@@ -203,8 +188,8 @@ def test_a_good_load_after_a_refused_one_is_still_exact(saved_runs):
     right = resume_worker.job("dropout", seed=3)
     memwrap.load_checkpoint(saved_runs["fp32"], model=right[0], optimizer=right[1], scheduler=right[2], loader=right[3])
     saved = torch.load(saved_runs["fp32"], weights_only=True)
-    _assert_same(copy.deepcopy(right[1].state_dict()), saved["optimizer"])
-    _assert_same(right[0].state_dict(), saved["model"])
+    assert_same(copy.deepcopy(right[1].state_dict()), saved["optimizer"])
+    assert_same(right[0].state_dict(), saved["model"])
 
 
 def test_plain_torch_objects_are_checked_the_same_way(tmp_path):
@@ -229,7 +214,7 @@ def test_plain_torch_objects_are_checked_the_same_way(tmp_path):
         before = copy.deepcopy([part.state_dict() for part in fresh])
         with pytest.raises(ValueError, match=match):
             memwrap.load_checkpoint(path, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2])
-        _assert_same(copy.deepcopy([part.state_dict() for part in fresh]), before)
+        assert_same(copy.deepcopy([part.state_dict() for part in fresh]), before)
 
 
 # --- a kill during the save ----------------------------------------------------------------------------------

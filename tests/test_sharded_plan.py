@@ -207,3 +207,24 @@ def test_llama_2_70b_has_the_real_parameter_count():
     with torch.device("meta"):
         model = build_preset("llama-2-70b")
     assert sum(p.numel() for p in model.parameters()) == PRESETS["llama-2-70b"].params == 68_976_648_192
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_pasted_code_converts_the_weights_before_sharding_when_the_precision_stores_them_in_another_dtype(strategy):
+    # wrap() refuses to change the dtype of parameters DDP/FSDP2 already hold (their buckets/shards keep the old
+    # dtype), so a bf16-true plan's code must convert first; an fp32 plan's code converts nothing.
+    from types import SimpleNamespace
+
+    from memwrap.memory.sharded_plan import sharded_code
+
+    def code(precision):
+        est = SimpleNamespace(world_size=2, strategy=strategy, stack="layers")
+        c = SimpleNamespace(estimate=est, options={"precision": precision}, micro_batch=1, accumulate=2,
+                            precision=precision, checkpoint=None)
+        return sharded_code(c, global_batch=4)
+
+    text = code("bf16-true")
+    shard = "fully_shard(model)" if strategy == "fsdp2" else "DistributedDataParallel("
+    assert "model = model.to(torch.bfloat16)" in text
+    assert text.index("model = model.to(torch.bfloat16)") < text.index(shard) < text.index("memwrap.wrap(")
+    assert ".to(torch." not in code("fp32")

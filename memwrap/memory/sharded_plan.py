@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from memwrap.precision import get_precision_class
+
 __all__ = ["layouts", "plan_layouts", "layout_summary", "sharding_verdict", "sharded_code", "refused_specs",
            "fewest_gpus_first", "sharded_advice"]
 
@@ -181,13 +183,16 @@ def sharded_code(c: Any, global_batch: int, model: str = "model", optimizer: str
         launch += (f"\n# complete script: torchrun --nproc-per-node {w} examples/fsdp2_torchrun.py --micro-batch "
                    f"{c.micro_batch} --accumulate {c.accumulate} --precision {c.precision} --checkpoint {ckpt} "
                    f"[--preset NAME --seq N]")
+    storage = get_precision_class(c.precision).param_dtype
+    # The weights' dtype changes before DDP/FSDP2 sees them: wrap() refuses to convert parameters they already hold.
+    convert = f"{model} = {model}.to({storage})  # {c.precision} stores the weights in it\n" if storage is not None else ""
     if s == "fsdp2":
         blocks = (f"for block in {model}.{est.stack}:  # one FSDP unit per block, then the root\n    fully_shard(block)\n"
                   if est.stack else "")
         shard = f"from torch.distributed.fsdp import fully_shard\n{blocks}fully_shard({model})\n"
     else:
         shard = (f"{model} = torch.nn.parallel.DistributedDataParallel({model}.to(device), device_ids=[local_rank])\n")
-    return (f"{launch}\n{shard}{optimizer} = torch.optim.AdamW({model}.parameters())  # built on the "
+    return (f"{launch}\n{convert}{shard}{optimizer} = torch.optim.AdamW({model}.parameters())  # built on the "
             f"{'sharded' if s == 'fsdp2' else 'DDP'} parameters\nimport memwrap\n"
             f"{model}, {optimizer} = memwrap.wrap({model}, {optimizer}, {opts})")
 

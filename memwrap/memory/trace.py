@@ -28,7 +28,7 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from memwrap.memory.batch import default_loss, split_batch
-from memwrap.memory import fake_kernels  # noqa: F401  fake kernels the trace needs (MoE grouped_mm in fp32)
+import memwrap.memory.fake_kernels  # noqa: F401  fake kernels the trace needs (MoE grouped_mm in fp32)
 from memwrap.memory.grad_accumulation import InPlaceAccumulation
 
 __all__ = ["CATEGORIES", "Stack", "TraceResult", "find_stack", "fake_model", "truncated", "run_trace", "split_batch", "default_loss"]  # noqa: the last two re-exported from batch.py
