@@ -48,11 +48,13 @@ def rank(candidates: list[Any], budget: int, margin: Margin, *, keep_optim: str 
         if c.extra.get("compensation") == "none":  # bf16 storage without compensated updates: small steps round away
             c.changes += (f"{c.precision} updates uncompensated (compensation='none')",)
 
-    def closeness(c: Any) -> int:
-        # 0: your maths; 1: only an optimizer that approximates yours; 2: other maths
-        return 0 if not c.changes else 1 if near.get(c.optim) and len(c.changes) == 1 else 2
+    def closeness(c: Any) -> tuple[int, int]:
+        # Another optimizer's maths last; then the fewer changes, the closer: an approximation of your optimizer
+        # (8-/4-bit AdamW) with uncompensated bf16 updates stays ahead of another optimizer with them.
+        other_optimizer = keep_optim is not None and c.optim != keep_optim and not near.get(c.optim)
+        return int(other_optimizer), len(c.changes)
 
-    return sorted(candidates, key=lambda c: (0, closeness(c), bool(c.changes), c.seconds) if c.fits
+    return sorted(candidates, key=lambda c: (0, closeness(c), c.seconds) if c.fits
                   else (1, c.required, c.seconds))
 
 
