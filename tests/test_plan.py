@@ -47,10 +47,10 @@ def test_candidates_keep_the_global_batch_and_cover_the_grid(grid):
 def _check_ranking(p):
     fits = [c.fits for c in p.candidates]
     assert fits == sorted(fits, reverse=True), "a fitting candidate is ranked below one that does not fit"
-    # Another optimizer's maths last; before it, the fewer changes the closer (your maths first, then an optimizer
-    # that only approximates yours); each by predicted time.
+    # Your maths first, then your optimizer or one that approximates it (whatever else changes), then another
+    # optimizer's maths; each by predicted time.
     closeness = lambda c: (int(any(ch.startswith("optimizer") and "(approximates" not in ch for ch in c.changes)),  # noqa: E731
-                           len(c.changes))
+                           int(bool(c.changes)))
     fitting = [(closeness(c), c.seconds) for c in p.candidates if c.fits]
     assert fitting == sorted(fitting)
     assert all(bool(c.changes) == (c.optim != p.keep_optim or c.precision != p.keep_precision) for c in p.candidates)
@@ -396,11 +396,15 @@ def test_an_approximation_of_your_optimizer_with_uncompensated_updates_ranks_bef
     from memwrap.memory.margin import Margin
     from memwrap.memory.ranking import rank
 
-    def cand(optim, seconds):
-        return SimpleNamespace(optim=optim, precision="bf16-true", seconds=seconds, extra={"compensation": "none"},
+    def cand(optim, seconds, compensation="none"):
+        return SimpleNamespace(optim=optim, precision="bf16-true", seconds=seconds, extra={"compensation": compensation},
                                estimate=SimpleNamespace(peak=1 << 20), required=1 << 20)
 
-    ranked = rank([cand("torch_adafactor", 1.0), cand("adamw_torch_4bit", 2.0), cand("adamw", 3.0)], 1 << 30,
-                  Margin(0.0, 0), keep_optim="adamw", keep_precision=None)
-    assert [c.optim for c in ranked] == ["adamw", "adamw_torch_4bit", "torch_adafactor"]
-    assert ranked[1].changes[0].startswith("optimizer adamw -> adamw_torch_4bit (approximates adamw")
+    ranked = rank([cand("torch_adafactor", 1.0), cand("adamw", 1.5), cand("adamw_torch_4bit", 2.0),
+                   cand("adamw", 3.0, compensation="kahan")], 1 << 30, Margin(0.0, 0), keep_optim="adamw",
+                  keep_precision=None)
+    # your maths (Kahan-compensated AdamW), then AdamW or its approximation with uncompensated updates by time, then
+    # another optimizer
+    assert [(c.optim, c.extra["compensation"]) for c in ranked] == [
+        ("adamw", "kahan"), ("adamw", "none"), ("adamw_torch_4bit", "none"), ("torch_adafactor", "none")]
+    assert ranked[2].changes[0].startswith("optimizer adamw -> adamw_torch_4bit (approximates adamw")

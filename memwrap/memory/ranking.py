@@ -20,9 +20,9 @@ __all__ = ["rank"]
 def rank(candidates: list[Any], budget: int, margin: Margin, *, keep_optim: str | None = None,
          keep_precision: str | None = None) -> list[Any]:
     """Judge each candidate against ``budget`` (peak + margin) and order them: those that fit first, the
-    ones keeping your training maths (``keep_optim`` and ``keep_precision``), then those whose only change is an
-    optimizer that approximates yours (``OptimizerSpec.approximates``: 8-bit, 4-bit or paged AdamW for AdamW), then
-    the others, each group by predicted step time; then the candidates that do not fit by the memory they need.
+    ones keeping your training maths (``keep_optim`` and ``keep_precision``), then those that keep your optimizer or
+    one that approximates it (``OptimizerSpec.approximates``: 8-bit, 4-bit or paged AdamW for AdamW) whatever else
+    they change, then those with another optimizer, each group by predicted step time; then the candidates that do not fit by the memory they need.
     ``cost`` is relative to the fastest. Each candidate's ``changes`` names every option that changes the maths:
     the optimizer, the precision (``fp32 -> bf16-true``: weights stored in bf16), uncompensated bf16 updates.
 
@@ -49,10 +49,11 @@ def rank(candidates: list[Any], budget: int, margin: Margin, *, keep_optim: str 
             c.changes += (f"{c.precision} updates uncompensated (compensation='none')",)
 
     def closeness(c: Any) -> tuple[int, int]:
-        # Another optimizer's maths last; then the fewer changes, the closer: an approximation of your optimizer
-        # (8-/4-bit AdamW) with uncompensated bf16 updates stays ahead of another optimizer with them.
+        # Your maths first; then what keeps your optimizer or an approximation of it (8-/4-bit AdamW), whatever else
+        # changes (a precision, uncompensated bf16 updates); another optimizer's maths last: an approximation with
+        # uncompensated updates stays ahead of another optimizer with them.
         other_optimizer = keep_optim is not None and c.optim != keep_optim and not near.get(c.optim)
-        return int(other_optimizer), len(c.changes)
+        return int(other_optimizer), int(bool(c.changes))
 
     return sorted(candidates, key=lambda c: (0, closeness(c), c.seconds) if c.fits
                   else (1, c.required, c.seconds))
