@@ -19,7 +19,7 @@ import dataclasses
 import warnings
 from typing import Any
 
-__all__ = ["unapplied", "warn_unapplied"]
+__all__ = ["plain_value", "unapplied", "warn_unapplied"]
 
 # Where each field goes in a plain loop, and how: (group, field -> how; "{v}" is the field's value).
 _HOMES: tuple[tuple[str, dict[str, str]], ...] = (
@@ -73,7 +73,8 @@ _MIRRORED = {"gradient_checkpointing_kwargs": "activation_checkpointing_kwargs"}
 _NOT_A_SETTING = ("output_dir",)  # where Trainer writes; a plain loop has nothing to apply
 
 
-def _plain(value: Any) -> Any:
+def plain_value(value: Any) -> Any:
+    """A Hugging Face str enum's value (``OptimizerNames.ADAMW_TORCH`` -> ``'adamw_torch'``); anything else as is."""
     return getattr(value, "value", value)  # HF's OptimizerNames / SchedulerType are str enums
 
 
@@ -92,11 +93,11 @@ def unapplied(args: Any, read: Any) -> dict[str, str]:
         if name in read or name in _NOT_A_SETTING or not hasattr(args, name):
             continue
         value = getattr(args, name)
-        if _plain(value) == _plain(default):
+        if plain_value(value) == plain_value(default):
             continue
         if name in _MIRRORED and getattr(args, _MIRRORED[name], None) == value:
             continue
-        text = repr(_plain(value))
+        text = repr(plain_value(value))
         changed[name] = text if len(text) <= 60 else text[:57] + "..."
     return changed
 

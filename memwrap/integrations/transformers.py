@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from memwrap.training_args import plain_value
+
 __all__ = ["memwrap_trainer_kwargs", "memwrap_optimizer_class", "wrap_options", "checkpoint_report",
            "trainer_hyperparameters", "trainer_param_groups", "trainer_optimizer"]
 
@@ -148,12 +150,8 @@ def trainer_optimizer(model: nn.Module, args: Any, optim: str | None = None, **o
                             **{**trainer_hyperparameters(args, name), **overrides})
 
 
-def _plain(value: Any) -> Any:
-    return getattr(value, "value", value)  # HF's OptimizerNames / SchedulerType are str enums
-
-
 def _key(name: Any) -> str:
-    return str(_plain(name)).strip().lower().replace("-", "_")  # as the registry normalizes names
+    return str(plain_value(name)).strip().lower().replace("-", "_")  # as the registry normalizes names
 
 
 def _unscheduled_layerwise(name: str, args: Any) -> str | None:
@@ -317,7 +315,7 @@ def _optimizer_kwargs(model: nn.Module, args: Any, optim: str | None, checkpoint
             if overrides:  # they were meant for memwrap's optimizer, which is not built: never drop them silently
                 raise TypeError(
                     f"optimizer keyword arguments {sorted(overrides)} were given, but Trainer keeps its own optimizer "
-                    f"for optim={_plain(getattr(args, 'optim', None))!r}. Fix: pass optim='...' to build a memwrap "
+                    f"for optim={plain_value(getattr(args, 'optim', None))!r}. Fix: pass optim='...' to build a memwrap "
                     "optimizer, or set them in TrainingArguments (optim_args).")
             _keep_trainer_optimizer_warning(args, checkpoint not in (None, False))
             return {}
@@ -386,7 +384,7 @@ def wrap_options(args: Any, **overrides: Any) -> dict[str, Any]:
         options = options_from(args)
     for found in caught:
         warnings.warn(found.message, found.category, stacklevel=2)
-    options = {k: _plain(v) for k, v in options.items()}  # plain strings, not HF enums
+    options = {k: plain_value(v) for k, v in options.items()}  # plain strings, not HF enums
     # Overrides given under memwrap's names replace the Hugging Face names they alias.
     for alias, target in (("gradient_accumulation_steps", "accumulate"), ("gradient_checkpointing", "checkpoint"),
                           ("activation_checkpointing", "checkpoint"), ("fp16", "precision"), ("bf16", "precision"),
