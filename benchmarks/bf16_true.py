@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import memwrap
-from memwrap.demo_corpus import corpus_tokens
+from memwrap.demo.corpus import corpus_tokens
 from memwrap.models import build_preset
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"

@@ -25,7 +25,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from memwrap.checkpointing import apply_checkpointing  # noqa: E402
+from memwrap.checkpointing.apply import apply_checkpointing  # noqa: E402
 from memwrap.models import GPT, GPTConfig, lm_loss  # noqa: E402
 
 CONFIGS = {"none": None, "full": {}, "selective": {"mode": "selective"}, "every-2": {"every": 2},

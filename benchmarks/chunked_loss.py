@@ -6,7 +6,7 @@ Two tables:
 
 1. **The head and loss alone** (hidden states ``[tokens, hidden]`` -> loss, forward + backward, fp32):
    Hugging Face's plain path (``lm_head``, ``logits.float()``, cross entropy), memwrap's chunks
-   (``memwrap.loss_head.linear_cross_entropy``, default and small chunk sizes; ``impl="recompute"``, the
+   (``memwrap.techniques.loss_head.linear_cross_entropy``, default and small chunk sizes; ``impl="recompute"``, the
    default, and ``impl="checkpoint"``, each chunk under ``torch.utils.checkpoint``) and
    cut-cross-entropy's ``impl="torch_compile"`` (its CPU path; its ``cce`` Triton kernel needs CUDA).
    Peak = most bytes the CPU allocator held above the inputs (the gradients of hidden and weight included) (torch.profiler memory events, as in
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import memwrap  # noqa: E402
-from memwrap.loss_head import default_chunk_size, linear_cross_entropy  # noqa: E402
+from memwrap.techniques.loss_head import default_chunk_size, linear_cross_entropy  # noqa: E402
 from memwrap.memory import measure_peak  # noqa: E402
 from memwrap.memory.measure import allocator_growth  # noqa: E402
 from memwrap.models import GPT, GPTConfig  # noqa: E402
@@ -184,7 +184,7 @@ def write(args, heads, steps) -> None:
               "fastest on CPU (fused softmax; it drops ignored tokens first) but selects tokens with a data-dependent "
               "shape, so it cannot be traced on fake tensors for the planner; its Triton `cce` path needs CUDA (not "
               "measured here). The whole-step estimates model where the real autograd engine adds a tied weight's two "
-              "gradients in place (under any dispatch mode it adds them out of place; memwrap/memory/grad_accumulation.py "
+              "gradients in place (under any dispatch mode it adds them out of place; memwrap/memory/tracing/grad_accumulation.py "
               "corrects the trace for it, see docs/planner.md)."]
     (OUT / "chunked_loss.md").write_text("\n".join(lines) + "\n")
     try:

@@ -243,7 +243,7 @@ def bert_base_3060(ctx):
     for seq in ((32,) if ctx.fast else (128, 512)):
         e = memwrap.estimate(factory, preset_batch(name, 8, seq), loss_fn=spec.loss)
         out[seq] = e.peak
-    from memwrap.memory.planner import Margin
+    from memwrap.memory.search.planner import Margin
 
     m = Margin()
     fits = {s: v + m.of(v) <= CARD_12 for s, v in out.items()}
@@ -255,7 +255,7 @@ def bert_base_3060(ctx):
 
 
 def resnet_3060(ctx):
-    from memwrap.memory.planner import Margin
+    from memwrap.memory.search.planner import Margin
 
     e32, e64 = ctx.est("resnet50", 32, 224), ctx.est("resnet50", 64, 224)
     slope = (e64.peak - e32.peak) / 32

@@ -5,7 +5,7 @@
 For each world size the script launches itself under torchrun (CPU processes, gloo); every rank
 builds the model, shards it (``fully_shard`` on each block, then the root) or wraps it in DDP,
 runs a warm-up update and measures the next one with
-:func:`memwrap.memory.sharded_measure.measure_rank_peak` (the c10 allocator's total, all threads).
+:func:`memwrap.memory.sharded.measure.measure_rank_peak` (the c10 allocator's total, all threads).
 The parent predicts the same runs with ``memwrap.estimate(..., world_size=W, strategy=S)`` and
 writes docs/benchmarks/distributed_planner.{json,png,md}.
 """
@@ -49,7 +49,7 @@ def make_batch(rank: int):
 def worker(out_dir: str) -> None:
     import torch.distributed as dist
 
-    from memwrap.memory.sharded_measure import measure_rank_peak
+    from memwrap.memory.sharded.measure import measure_rank_peak
     from memwrap.models import lm_loss
 
     cuda = torch.cuda.is_available()  # benchmarks/gpu_check.py runs this worker on GPUs
@@ -82,7 +82,7 @@ def collective_temporaries() -> dict[str, int]:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from memwrap.memory.sharded_measure import _allocator_totals
+    from memwrap.memory.sharded.measure import _allocator_totals
 
     world = dist.get_world_size()
     block = make_model().transformer.h[0]
@@ -193,7 +193,7 @@ def main() -> None:
              f"`{meta['command']}` (torch {torch.__version__}, CPU, gloo). Model: `gpt2-tiny` with {MODEL} "
              f"({n_params / 1e6:.1f}M parameters), micro-batch {BATCH} x {SEQ} tokens per rank, AdamW. Measured: the c10 "
              f"CPU allocator's total live bytes of every rank during one steady-state update "
-             f"(`memwrap.memory.sharded_measure.measure_rank_peak`). Error = (predicted - measured) / measured, "
+             f"(`memwrap.memory.sharded.measure.measure_rank_peak`). Error = (predicted - measured) / measured, "
              f"against the rank furthest from the prediction.\n",
              "| strategy | ranks | case | predicted MiB | measured MiB (each rank) | error |", "|---|---:|---|---:|---|---:|"]
     for r in rows:

@@ -24,9 +24,9 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from memwrap.integrations.transformers import trainer_hyperparameters
+from memwrap.integrations.transformers.trainer import trainer_hyperparameters
 from memwrap.models import build_preset
-from memwrap.registry import create_optimizer, get_optimizer_spec, measure_state_bytes, predict_state_bytes
+from memwrap.plugin.registry import create_optimizer, get_optimizer_spec, measure_state_bytes, predict_state_bytes
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 NAMES = (

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import memwrap  # noqa: E402
 from memwrap.memory import measure_peak  # noqa: E402
-from memwrap.memory.cost import cost_terms  # noqa: E402
+from memwrap.memory.search.cost import cost_terms  # noqa: E402
 from memwrap.models import Llama, LlamaConfig, build_preset, preset_batch  # noqa: E402
 
 GIB, MIB = 2**30, 2**20
@@ -54,7 +54,7 @@ LADDER = [
 
 
 def seconds(est, precision: str) -> float:
-    """The planner's predicted seconds per update (memwrap.memory.cost), paged state assumed spilled."""
+    """The planner's predicted seconds per update (memwrap.memory.search.cost), paged state assumed spilled."""
     return sum(cost_terms(flops=est.flops, ops=est.ops_per_micro_batch, micro_batches=1, precision=precision,
                           param_bytes=est.state["parameters"], grad_bytes=est.state["gradients"],
                           state_bytes=est.state["optimizer_state"], offloaded=est.offloaded,

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from memwrap.memory import estimate, measure_peak, plan  # noqa: E402
-from memwrap.memory.estimator import trace_config  # noqa: E402
+from memwrap.memory.tracing.estimator import trace_config  # noqa: E402
 from memwrap.models import (GPT, Bert, BertConfig, GPTConfig, Llama, LlamaConfig, ResNet, ResNetConfig,  # noqa: E402
                             build_preset, preset_batch)
 

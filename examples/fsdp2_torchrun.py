@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import memwrap
-from memwrap.memory.trace import find_stack
-from memwrap.precision import get_precision_class
+from memwrap.memory.tracing.trace import find_stack
+from memwrap.precision.base import get_precision_class
 from memwrap.models import build_preset, get_preset, lm_loss, preset_batch
 
 

@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import memwrap
-from memwrap.integrations.transformers import memwrap_trainer_kwargs, wrap_options
+from memwrap.integrations.transformers.trainer import memwrap_trainer_kwargs, wrap_options
 
 
 def tiny_llama() -> LlamaForCausalLM:

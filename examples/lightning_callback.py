@@ -10,7 +10,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from memwrap.integrations.lightning import MemwrapCallback
+from memwrap.integrations.lightning.callback import MemwrapCallback
 from memwrap.models import build_preset, lm_loss
 
 

@@ -10,7 +10,7 @@ import importlib
 import sys
 
 # module path -> the subcommand it registers; imported only when the CLI runs.
-SUBCOMMANDS = ("memwrap.memory.cli", "memwrap.demo")
+SUBCOMMANDS = ("memwrap.memory.cli", "memwrap.demo.runner")
 
 
 class _Parser(argparse.ArgumentParser):

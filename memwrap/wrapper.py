@@ -1,9 +1,9 @@
 """``wrap()``: compose the gate, precision, checkpointing, optimizer plugin and wrappers.
 
 Each concern lives in its own module; this one only decides which pieces a call needs and
-hands them the one shared :class:`~memwrap.accumulation.AccumulationGate`.
+hands them the one shared :class:`~memwrap.runtime.gate.AccumulationGate`.
 
-A call runs in three steps. :func:`memwrap.wrap_checks.check_wrap` checks every option and every
+A call runs in three steps. :func:`memwrap.config.validation.check_wrap` checks every option and every
 object and changes nothing. Then the new objects are built (the converted optimizer, the
 wrappers), which changes nothing of the user's either. Last come the changes to the user's model
 and to torch's global settings (checkpointing, TF32, parameter dtype), undone if one of them
@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from memwrap.accumulation import AccumulationGate, WrappedLoader
-from memwrap.distributed import item_reducer, sync_control
-from memwrap.loss_scale import configure_scaler
-from memwrap.module import WrappedModule
-from memwrap.optimizer import WrappedOptimizer, WrappedScheduler, check_sparse_clipping
-from memwrap.precision import Precision
-from memwrap.wrap_checks import WrapPlan, check_wrap, checkpoint_target
+from memwrap.runtime.gate import AccumulationGate, WrappedLoader
+from memwrap.runtime.distributed import item_reducer, sync_control
+from memwrap.precision.loss_scale import configure_scaler
+from memwrap.runtime.module import WrappedModule
+from memwrap.runtime.optimizer import WrappedOptimizer, WrappedScheduler, check_sparse_clipping
+from memwrap.precision.base import Precision
+from memwrap.config.validation import WrapPlan, check_wrap, checkpoint_target
 
 __all__ = ["wrap", "unwrap", "backward", "refuse_unwrapped"]
 
@@ -38,7 +38,7 @@ def wrap(*objects: Any, **options: Any) -> Any:
     ``max_grad_norm``, ``count_items``, ``checkpoint``, ``optim``, ``on_nonfinite`` ("skip" or
     "raise"), ``monitor``, ``scaler`` (fp16 GradScaler settings); Hugging Face ``TrainingArguments`` names are accepted as aliases.
     ``budget`` (with the loader: its batches are the global batch, cut into micro-batches planned to fit; see
-    :mod:`memwrap.budget_plan`), ``margin`` and ``budget_may_change`` go with it.
+    :mod:`memwrap.techniques.budget.plan`), ``margin`` and ``budget_may_change`` go with it.
 
     Example:
         >>> import memwrap, torch
@@ -54,7 +54,7 @@ def wrap(*objects: Any, **options: Any) -> Any:
     plan = check_wrap(objects, options)
     check_sparse_clipping(plan.model, plan.opts.max_grad_norm)
     if plan.opts.budget is not None or options.get("margin") is not None or options.get("budget_may_change"):
-        from memwrap.budget_plan import check_budget_options
+        from memwrap.techniques.budget.plan import check_budget_options
 
         check_budget_options(plan.opts, options, plan.model, plan.optimizer, plan.loaders)
     gate = AccumulationGate(plan.opts.accumulate)
@@ -79,8 +79,8 @@ def wrap(*objects: Any, **options: Any) -> Any:
     for loader in plan.loaders:
         results[id(loader)] = _wrap_loader(loader, plan, gate)
         results[id(loader)].optimizer = wrapped_opt  # loader.end_epoch() steps the open window through it
-    if plan.opts.budget is not None:  # each batch is one window, cut at the first batch's plan (memwrap.budget_plan)
-        from memwrap.budget_plan import BudgetPlanner
+    if plan.opts.budget is not None:  # each batch is one window, cut at the first batch's plan (memwrap.techniques.budget.plan)
+        from memwrap.techniques.budget.plan import BudgetPlanner
 
         planner = BudgetPlanner(wrapped_model, wrapped_opt, plan.opts, options, plan.device_type)
         gate.varies = True
@@ -90,7 +90,7 @@ def wrap(*objects: Any, **options: Any) -> Any:
         if wrapped_model is not None:
             _change_model(plan, wrapped_model, undo, wrapped_opt.optimizer if wrapped_opt is not None else None)
         if wrapped_opt is not None and plan.opts.step_in_backward:  # hooks on the parameters: a change, made last
-            from memwrap.step_in_backward import StepInBackward
+            from memwrap.techniques.step_in_backward import StepInBackward
 
             wrapped_opt.step_in_backward = StepInBackward(wrapped_opt, plan.model)
         undo.pop_all()  # all done: keep every change
@@ -117,7 +117,7 @@ def unwrap(obj: Any) -> Any:
     if isinstance(obj, WrappedModule):
         undone = []
         if obj._owns_checkpointing:
-            from memwrap.checkpointing import remove_checkpointing
+            from memwrap.checkpointing.apply import remove_checkpointing
 
             remove_checkpointing(checkpoint_target(obj.module))
             object.__setattr__(obj, "_owns_checkpointing", False)  # a later wrap's checkpointing is not this one's
@@ -188,10 +188,10 @@ def _optimizer_to_step(plan: WrapPlan) -> torch.optim.Optimizer:
     equivalent). Builds new objects only; the user's optimizer is left as it is."""
     inner = plan.optimizer
     if plan.opts.optim is not None:
-        from memwrap.registry import convert_optimizer, option_hyperparameters
+        from memwrap.plugin.registry import convert_optimizer, option_hyperparameters
 
         inner = convert_optimizer(inner, plan.opts.optim, model=plan.model, **option_hyperparameters(plan.opts))
-    from memwrap.distributed import check_sharded_optimizer
+    from memwrap.runtime.distributed import check_sharded_optimizer
 
     check_sharded_optimizer(inner)  # e.g. 8-bit bitsandbytes on FSDP2 shards: fail now, with the fix, not at step 1
     if plan.precision.check_optimizer(inner) and plan.schedulers:  # True: the precision will replace the optimizer
@@ -201,7 +201,7 @@ def _optimizer_to_step(plan: WrapPlan) -> torch.optim.Optimizer:
             "scheduler on the returned optimizer and wrap it: scheduler = memwrap.wrap(LambdaLR(optimizer, ...))."
         )
     if plan.opts.step_in_backward:
-        from memwrap.step_in_backward import check_step_in_backward
+        from memwrap.techniques.step_in_backward import check_step_in_backward
 
         check_step_in_backward(plan.model, inner, plan.opts, plan.precision)
     # Before convert_module(): building the optimizer does not depend on the parameters' dtype (state is made at
@@ -224,10 +224,10 @@ def _change_model(plan: WrapPlan, wrapped: WrappedModule, undo: contextlib.ExitS
 
     Each change registers its undo on ``undo``, which ``wrap()`` runs if a later step fails. The dtype
     conversion keeps the old storage until ``wrap()`` succeeds, so it is undone bit for bit
-    (:func:`memwrap.precision.convert_model`).
+    (:func:`memwrap.precision.base.convert_model`).
     """
-    from memwrap.checkpointing import apply_checkpointing, current_report, remove_checkpointing
-    from memwrap.precision import convert_model
+    from memwrap.checkpointing.apply import apply_checkpointing, current_report, remove_checkpointing
+    from memwrap.precision.base import convert_model
 
     target = checkpoint_target(plan.model)
     if plan.checkpoint is not None:
@@ -243,7 +243,7 @@ def _change_model(plan: WrapPlan, wrapped: WrappedModule, undo: contextlib.ExitS
 
 
 def _wrap_loader(loader: Any, plan: WrapPlan, gate: AccumulationGate) -> WrappedLoader:
-    # Under DDP/FSDP2 the window's item total is summed over the data-parallel ranks (memwrap.distributed).
+    # Under DDP/FSDP2 the window's item total is summed over the data-parallel ranks (memwrap.runtime.distributed).
     model, count_items = plan.model, plan.opts.count_items
     reduce_items = item_reducer(model) if model is not None and count_items is not None else None
     return WrappedLoader(loader, gate, count_items, reduce_items)

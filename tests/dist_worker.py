@@ -101,7 +101,7 @@ def _full_state(model: nn.Module) -> dict[str, list]:
 
 def _checkpointed(model: nn.Module) -> list[str]:
     """Names of the blocks checkpointed right now (read before unwrap(), which removes wrap()'s checkpointing)."""
-    from memwrap.checkpointing import is_checkpointed
+    from memwrap.checkpointing.apply import is_checkpointed
 
     inner = getattr(model, "module", model)
     inner = getattr(inner, "module", inner)  # WrappedModule -> DDP -> Net
@@ -229,7 +229,7 @@ def run_fsdp(rank: int, order: str, use_memwrap: bool = True, precision: str = "
 
 def run_sharded_optimizers(rank: int) -> dict:
     """Which optimizers memwrap refuses on FSDP2 parameters, and whether each really fails or steps."""
-    from memwrap.distributed import check_sharded_optimizer
+    from memwrap.runtime.distributed import check_sharded_optimizer
 
     batch = micro_batch(0, rank, 0)
     factories = {"adamw": lambda p: torch.optim.AdamW(p), "adafactor": lambda p: torch.optim.Adafactor(p)}
@@ -392,7 +392,7 @@ def memory_batch(rank: int):
 
 def run_memory(rank: int) -> dict:
     """This rank's allocator-measured peak of one steady-state update, per strategy and case."""
-    from memwrap.memory.sharded_measure import measure_rank_peak
+    from memwrap.memory.sharded.measure import measure_rank_peak
     from memwrap.models import lm_loss
 
     out = {}

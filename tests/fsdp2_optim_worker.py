@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import memwrap
-from memwrap.registry import create_optimizer
+from memwrap.plugin.registry import create_optimizer
 
 WIDTH = 256  # even shards, as in real models (a layer too small to split over the ranks fails for other reasons)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import types
 
-from memwrap.plugins import get_plugin_manager, hookimpl
+from memwrap.plugin.manager import get_plugin_manager, hookimpl
 
 
 class registered:

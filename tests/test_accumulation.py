@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import memwrap
-from memwrap.accumulation import AccumulationGate, WrappedLoader
+from memwrap.runtime.gate import AccumulationGate, WrappedLoader
 from tests.conftest import max_rel_err
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import memwrap
-from memwrap.registry import ConversionWarning
+from memwrap.plugin.registry import ConversionWarning
 
 optimi = pytest.importorskip("optimi")
 
@@ -64,7 +64,7 @@ def test_adamw_becomes_kahan_summed_optimi_with_its_hyperparameters_and_everythi
 def test_conversion_keeps_the_maths(make, target):
     # The converted optimizer, on fp32 weights (where Kahan summation is off), follows the source optimizer:
     # proof that every hyperparameter was carried with its meaning.
-    from memwrap_plugins.precision_bf16_true import _build
+    from memwrap_plugins.precision.bf16_true import _build
 
     ref, conv = net(), net()
     source = make(ref.parameters())
@@ -174,8 +174,8 @@ def test_conversion_runs_on_fake_tensors_for_the_planner():
     # The planner traces a step on fake parameters: the bf16 conversion and the Kahan step must run there too.
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memwrap.memory.trace import fake_model
-    from memwrap.precision import get_precision
+    from memwrap.memory.tracing.trace import fake_model
+    from memwrap.precision.base import get_precision
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = fake_model(net(), mode, torch.device("cpu"))

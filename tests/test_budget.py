@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import memwrap
-from memwrap.batch_split import UncuttableBatchError, cut_batch, cut_sizes
-from memwrap.budget_plan import BudgetTooSmallError
+from memwrap.runtime.batch_split import UncuttableBatchError, cut_batch, cut_sizes
+from memwrap.techniques.budget.plan import BudgetTooSmallError
 from memwrap.memory.measure import allocator_growth, live_bytes
 from memwrap.models import build_preset, lm_loss
 
@@ -362,7 +362,7 @@ def _sgd_momentum_run(budget_of_plain: float):
 
 
 def test_budget_plans_your_optimizer_as_built_momentum_state_included():
-    from memwrap.state_size import measure_state_bytes
+    from memwrap.plugin.state_size import measure_state_bytes
 
     plain, budget, measured, planner, model, inner, plain_model = _sgd_momentum_run(0.8)
     choice = planner.current
@@ -496,7 +496,7 @@ def test_trainer_kwargs_with_budget_set_the_split_and_train_like_the_big_batch(t
     pytest.importorskip("transformers")
     from transformers import Trainer
 
-    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+    from memwrap.integrations.transformers.trainer import memwrap_trainer_kwargs
     from tests.hf_helpers import hf_args, tiny_llama
 
     ids = torch.randint(0, 128, (16, 16), generator=torch.Generator().manual_seed(0))
@@ -538,7 +538,7 @@ def test_lightning_callback_with_budget_sets_the_split_and_trains_like_the_big_b
     L = pytest.importorskip("lightning")
     from torch.utils.data import DataLoader
 
-    from memwrap.integrations.lightning import MemwrapCallback
+    from memwrap.integrations.lightning.callback import MemwrapCallback
 
     g = torch.Generator().manual_seed(0)
     xs, ys = torch.randn(32, 32, 8, generator=g), torch.randn(32, generator=g)

@@ -12,8 +12,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import memwrap
 from memwrap import checkpointing as ckpt
-from memwrap.checkpoint_policies import find_blocks, parse_checkpoint_option, select_modules
-from memwrap.checkpointing import apply_checkpointing, remove_checkpointing
+from memwrap.checkpointing.policies import find_blocks, parse_checkpoint_option, select_modules
+from memwrap.checkpointing.apply import apply_checkpointing, remove_checkpointing
 from memwrap.models import (GPT, Bert, BertConfig, Bottleneck, GPTBlock, GPTConfig, Llama, LlamaConfig, ResNet,
                             ResNetConfig, lm_loss)
 
@@ -316,7 +316,7 @@ def test_parse_checkpoint_option_errors(value, error, match):
 
 
 def test_plugin_named_policy():
-    plugins = pytest.importorskip("memwrap.plugins")
+    plugins = pytest.importorskip("memwrap.plugin.manager")
     from memwrap import hookimpl
 
     class P:

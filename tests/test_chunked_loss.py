@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import memwrap
-from memwrap.loss_head import LossHeadError, LossHeadSpec, default_chunk_size, linear_cross_entropy
+from memwrap.techniques.loss_head import LossHeadError, LossHeadSpec, default_chunk_size, linear_cross_entropy
 from memwrap.memory.measure import allocator_growth
 from memwrap.models import GPT, GPTConfig, Llama, LlamaConfig, causal_lm_loss
 
@@ -262,7 +262,7 @@ HF_FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", 
 
 
 def test_every_recognized_family_is_tested():
-    from memwrap_plugins.loss_heads_hf import FAMILIES
+    from memwrap_plugins.loss_heads.hf import FAMILIES
 
     assert set(FAMILIES) == set(HF_FAMILIES)
 
@@ -339,7 +339,7 @@ def test_root_forward_hooks_are_refused():
 
 
 def test_third_party_adapter_and_failing_plugin_are_isolated():
-    from memwrap.plugins import get_plugin_manager, hookimpl, plugin_errors
+    from memwrap.plugin.manager import get_plugin_manager, hookimpl, plugin_errors
 
     class Tiny(nn.Module):
         def __init__(self):
@@ -439,7 +439,7 @@ def test_head_with_hooks_is_refused_at_wrap_naming_the_head(kind, case):
         with pytest.raises(LossHeadError, match=rf"LM head {name} .*{why}.*chunked_loss=False.*memwrap_loss_heads"):
             memwrap.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), chunked_loss=True)
         assert all(torch.equal(v, net.state_dict()[k]) for k, v in before.items())
-        assert not any(isinstance(m, memwrap.module.WrappedModule) for m in net.modules())
+        assert not any(isinstance(m, memwrap.runtime.module.WrappedModule) for m in net.modules())
     finally:
         handle.remove()
     memwrap.wrap(net, chunked_loss=True)  # without the hook: accepted

@@ -143,7 +143,7 @@ def test_plot_draws_every_candidate(tmp_path, monkeypatch):
     import matplotlib.axes
 
     from memwrap.memory import plan
-    from memwrap.memory.report import plot_plan
+    from memwrap.memory.search.report import plot_plan
     from memwrap.models import build_preset, preset_batch
 
     p = plan(lambda: build_preset("llama-tiny"), lambda mb: preset_batch("llama-tiny", mb, 16), budget="4GiB",
@@ -310,7 +310,7 @@ def test_plot_title_says_how_candidates_are_ranked(tmp_path, monkeypatch):
     import matplotlib.axes
 
     from memwrap.memory import plan
-    from memwrap.memory.report import plot_plan
+    from memwrap.memory.search.report import plot_plan
     from memwrap.models import build_preset, preset_batch
 
     p = plan(lambda: build_preset("llama-tiny"), lambda mb: preset_batch("llama-tiny", mb, 16), budget="4GiB",
@@ -484,7 +484,7 @@ def _row(out, label):
 
 
 def test_the_table_shows_paged_state_and_offloaded_activations_and_defines_every_abbreviation(capsys):
-    from memwrap.memory import report
+    from memwrap.memory.search import report
 
     rc = run_cli(["--preset", "llama-tiny", "--batch", "2", "--seq", "32", "--budget", "4GiB", "--margin-bytes", "0",
                   "--precisions", "bf16-true", "--checkpoints", "offload", "--optimizers", "paged_adamw_8bit",
@@ -497,7 +497,7 @@ def test_the_table_shows_paged_state_and_offloaded_activations_and_defines_every
     columns = re.split(r"\s{2,}", header.strip())
     assert "opt paged/host" in columns and "act offloaded" in columns
     unit = 2**20  # MiB: the tiny model's table unit
-    from memwrap.memory.planner import plan
+    from memwrap.memory.search.planner import plan
     from memwrap.models import get_preset, preset_batch
 
     again = plan(get_preset("llama-tiny").factory, lambda mb: preset_batch("llama-tiny", mb, 32, labels=True),
@@ -528,7 +528,7 @@ def test_progress_lines_name_what_each_trace_differs_in_and_its_stage():
     which stage; within a stage no two traces have the same label."""
     import torch
 
-    from memwrap.memory.planner import plan
+    from memwrap.memory.search.planner import plan
 
     calls = []
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import memwrap
-from memwrap.loss_head import LossHeadError
+from memwrap.techniques.loss_head import LossHeadError
 from memwrap.models import GPT, GPTConfig
 
 from conftest import max_rel_err, rel_err

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memwrap.cli import main
-from memwrap.demo import Batches, _budget
-from memwrap.demo_corpus import CORPUS, corpus_tokens
+from memwrap.demo.runner import Batches, _budget
+from memwrap.demo.corpus import CORPUS, corpus_tokens
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import dist_worker as w
-from memwrap.distributed import check_sharded_optimizer, item_reducer, sync_control
+from memwrap.runtime.distributed import check_sharded_optimizer, item_reducer, sync_control
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")

@@ -11,14 +11,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from memwrap.memory import estimate
-from memwrap.memory.depth import checkpoint_layout, extrapolation_depths
-from memwrap.memory.estimator import trace_config
-from memwrap.memory.grad_accumulation import InPlaceAccumulation
-from memwrap.memory.trace import find_stack
+from memwrap.memory.tracing.depth import checkpoint_layout, extrapolation_depths
+from memwrap.memory.tracing.estimator import trace_config
+from memwrap.memory.tracing.grad_accumulation import InPlaceAccumulation
+from memwrap.memory.tracing.trace import find_stack
 from memwrap.memory.measure import measure_peak
-from memwrap.module import WrappedModule
+from memwrap.runtime.module import WrappedModule
 from memwrap.models import GPT, GPTConfig, build_preset, lm_loss, preset_batch
-from memwrap.registry import create_optimizer, measure_state_bytes, predict_state_bytes
+from memwrap.plugin.registry import create_optimizer, measure_state_bytes, predict_state_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -118,7 +118,7 @@ def test_peak_within_5_percent_of_the_measured_allocator_peak(cfg, options):
 # bf16 + full checkpointing, moves the peak to the embedding's gradient, the last to arrive). Traced under a dispatch
 # mode the engine added them out of place (+7.5 % and +8.7 % before the fix; a do-nothing TorchDispatchMode around the
 # real step reproduces such predictions to the byte); the trace now adds them in place exactly where the real engine
-# does (memwrap/memory/grad_accumulation.py), and both are exact to a few bytes.
+# does (memwrap/memory/tracing/grad_accumulation.py), and both are exact to a few bytes.
 @pytest.mark.parametrize("build,batch,options", [
     (lambda: GPT(GPTConfig(n_layer=1, n_head=8, n_embd=512, vocab_size=4096, block_size=128)),
      {"idx": lm_batch(2, 128, 4096)[0], "labels": lm_batch(2, 128, 4096)[0]}, {"chunked_loss": True}),

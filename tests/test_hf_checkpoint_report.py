@@ -11,8 +11,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None
 
 
 def test_checkpoint_report_says_what_memwrap_trainer_kwargs_checkpointed(tmp_path):
-    from memwrap.checkpointing import CheckpointReport, is_checkpointed
-    from memwrap.integrations.transformers import checkpoint_report, memwrap_trainer_kwargs
+    from memwrap.checkpointing.apply import CheckpointReport, is_checkpointed
+    from memwrap.integrations.transformers.trainer import checkpoint_report, memwrap_trainer_kwargs
     from tests.hf_helpers import hf_args, tiny_llama
 
     model = tiny_llama()

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import memwrap
-from memwrap.checkpointing import is_checkpointed
-from memwrap.registry import ConversionWarning
+from memwrap.checkpointing.apply import is_checkpointed
+from memwrap.plugin.registry import ConversionWarning
 
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed")
@@ -29,7 +29,7 @@ def train(tmp_path, use_memwrap: bool, **args_kw):
     """Three Trainer steps; with memwrap, its kwargs come from args alone (checkpoint='auto', no optim=)."""
     from transformers import Trainer
 
-    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+    from memwrap.integrations.transformers.trainer import memwrap_trainer_kwargs
 
     model, args = tiny_llama(), hf_args(tmp_path, **args_kw)
     extra = memwrap_trainer_kwargs(model, args, checkpoint="auto") if use_memwrap else {}
@@ -65,7 +65,7 @@ def test_args_optim_trains_exactly_like_plain_trainer(tmp_path, optim):
 
 @pytest.mark.parametrize("optim", ["adamw_anyprecision"])  # every other Trainer name is taken over (test_hf_optimizers)
 def test_other_args_optim_keeps_trainers_optimizer_and_says_so(tmp_path, optim):
-    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+    from memwrap.integrations.transformers.trainer import memwrap_trainer_kwargs
 
     model = tiny_llama()
     with pytest.warns(UserWarning, match=f"Trainer keeps its own optimizer for TrainingArguments\\(optim='{optim}'\\) "
@@ -78,7 +78,7 @@ def test_other_args_optim_keeps_trainers_optimizer_and_says_so(tmp_path, optim):
                                    pytest.param("paged_adamw_8bit", marks=needs_bnb),
                                    pytest.param("lion_8bit", marks=needs_bnb)])
 def test_args_optim_taken_over_silently_with_trainers_hyperparameters(tmp_path, optim):
-    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+    from memwrap.integrations.transformers.trainer import memwrap_trainer_kwargs
 
     args = hf_args(tmp_path, optim=optim, learning_rate=2e-4, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6)
     with warnings.catch_warnings(record=True) as record:
@@ -94,7 +94,7 @@ def test_args_optim_taken_over_silently_with_trainers_hyperparameters(tmp_path, 
 
 
 def test_explicit_optim_with_other_lr_meaning_warns(tmp_path):
-    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+    from memwrap.integrations.transformers.trainer import memwrap_trainer_kwargs
 
     with pytest.warns(ConversionWarning, match=r"(?s)transformers\.Adafactor.*lr caps a relative step"):
         kwargs = memwrap_trainer_kwargs(tiny_llama(), hf_args(tmp_path), optim="torch_adafactor")
@@ -103,7 +103,7 @@ def test_explicit_optim_with_other_lr_meaning_warns(tmp_path):
 
 
 def test_optimizer_kwargs_for_an_optimizer_not_built_raise(tmp_path):
-    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+    from memwrap.integrations.transformers.trainer import memwrap_trainer_kwargs
 
     model = tiny_llama()
     with pytest.raises(TypeError, match="momentum.*Trainer keeps its own optimizer"):
@@ -112,7 +112,7 @@ def test_optimizer_kwargs_for_an_optimizer_not_built_raise(tmp_path):
 
 
 def test_args_are_required(tmp_path):
-    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+    from memwrap.integrations.transformers.trainer import memwrap_trainer_kwargs
 
     model = tiny_llama()
     for kwargs in ({"optim": "adamw"}, {"optim": "adamw", "checkpoint": "auto"}, {"checkpoint": "auto"}):
@@ -123,7 +123,7 @@ def test_args_are_required(tmp_path):
 
 
 def test_wrapped_model_is_refused(tmp_path):
-    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+    from memwrap.integrations.transformers.trainer import memwrap_trainer_kwargs
 
     model = tiny_llama()
     wrapped, _ = memwrap.wrap(model, torch.optim.AdamW(model.parameters()), accumulate=2)
@@ -134,7 +134,7 @@ def test_wrapped_model_is_refused(tmp_path):
 # --- wrap_options: every unapplied field named, overrides win --------------------------------
 
 def test_wrap_options_names_every_field_wrap_does_not_apply(tmp_path):
-    from memwrap.integrations.transformers import wrap_options
+    from memwrap.integrations.transformers.trainer import wrap_options
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing_kwargs is deprecated in v5
@@ -156,7 +156,7 @@ def test_wrap_options_names_every_field_wrap_does_not_apply(tmp_path):
 def test_wrap_options_is_silent_for_a_default_template(tmp_path):
     from transformers import TrainingArguments
 
-    from memwrap.integrations.transformers import wrap_options
+    from memwrap.integrations.transformers.trainer import wrap_options
 
     template = TrainingArguments(output_dir=str(tmp_path), gradient_accumulation_steps=4)
     with warnings.catch_warnings(record=True) as record:
@@ -170,7 +170,7 @@ def test_wrap_options_is_silent_for_a_default_template(tmp_path):
 @pytest.mark.parametrize("name", ["gradient_checkpointing", "activation_checkpointing"])
 @pytest.mark.parametrize("override", [False, None, "selective"])
 def test_wrap_options_checkpoint_override_wins_over_either_hf_name(name, override):
-    from memwrap.integrations.transformers import wrap_options
+    from memwrap.integrations.transformers.trainer import wrap_options
 
     assert wrap_options(SimpleNamespace(**{name: True}), checkpoint=override) == {"checkpoint": override}
 

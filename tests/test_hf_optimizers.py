@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memwrap
-from memwrap.registry import OptimizerUnavailableError, create_optimizer, get_optimizer_spec, predict_state_bytes
+from memwrap.plugin.registry import OptimizerUnavailableError, create_optimizer, get_optimizer_spec, predict_state_bytes
 from memwrap.testing import check_optimizer
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed")
@@ -92,7 +92,7 @@ STEPS = {"schedule_free_radam": 6}
 def _trainer_optimizer(tmp_path, name, use_memwrap, **args_kw):
     from transformers import Trainer
 
-    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+    from memwrap.integrations.transformers.trainer import memwrap_trainer_kwargs
 
     model = Tiny()
     if name in ON_GPU:  # Trainer moves the model to the GPU; these kernels need it there
@@ -231,7 +231,7 @@ _KERNEL_KEYS = {"foreach", "fused", "capturable", "differentiable", "triton"}  #
 def test_trainer_optimizer_has_trainers_param_groups_for_a_plain_loop(tmp_path, monkeypatch, name):
     """The plain-loop route trainer_optimizer(model, args) == Trainer(...).create_optimizer(): the same groups (weight
     decay on most weights, 0.0 on biases and norm weights), each with Trainer's hyperparameters."""
-    from memwrap.integrations.transformers import trainer_optimizer
+    from memwrap.integrations.transformers.trainer import trainer_optimizer
 
     _no_triton_on_cpu(monkeypatch, name)
     kw = dict(_args_for(name), weight_decay=0.1)
@@ -255,7 +255,7 @@ def test_trainer_optimizer_has_trainers_param_groups_for_a_plain_loop(tmp_path, 
 
 def test_trainer_optimizer_trains_as_trainers_own_in_a_plain_loop(tmp_path):
     """bitsandbytes' AdamW defaults to weight_decay=0.01: with only trainer_hyperparameters every weight decayed so."""
-    from memwrap.integrations.transformers import trainer_optimizer
+    from memwrap.integrations.transformers.trainer import trainer_optimizer
 
     for name in ("adamw_8bit", "galore_adamw"):
         kw = dict(_args_for(name), weight_decay=0.1)
@@ -267,7 +267,7 @@ def test_trainer_optimizer_trains_as_trainers_own_in_a_plain_loop(tmp_path):
         for p, q in zip(model.parameters(), theirs.parameters(), strict=True):
             torch.testing.assert_close(p, q, **EXACT)
     # The route documented before: one group, no Trainer weight decay split; it trains otherwise.
-    from memwrap.integrations.transformers import trainer_hyperparameters
+    from memwrap.integrations.transformers.trainer import trainer_hyperparameters
 
     theirs, their_opt, args = _trainer_optimizer(tmp_path / "old", "adamw_8bit", False, weight_decay=0.1)
     model = Tiny()
@@ -304,7 +304,7 @@ def test_the_names_are_transformers_own():
 
 @pytest.mark.parametrize("name", HF_NAMES)
 def test_every_name_resolves_through_options_from_and_wrap_checks(tmp_path, name):
-    from memwrap.config import parse_options
+    from memwrap.config.options import parse_options
 
     spec = get_optimizer_spec(name)
     from transformers import TrainingArguments
@@ -347,7 +347,7 @@ def test_hardware_names_say_why_they_are_unavailable(name, device):
 # --- bad input -----------------------------------------------------------------------------------------------------
 
 def test_optim_args_that_do_not_apply_are_refused_with_the_keys_that_do(tmp_path):
-    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+    from memwrap.integrations.transformers.trainer import memwrap_trainer_kwargs
 
     args = hf_args(tmp_path, optim="sgd", optim_args="momentun=0.9")
     with pytest.raises(ValueError, match=r"\['momentun'\] do not apply to optim='sgd'.*dampening, momentum, nesterov"):
@@ -432,7 +432,7 @@ def test_a_missing_library_gives_the_install_command(monkeypatch):
 
 
 def test_layerwise_gradient_accumulation_is_refused_like_trainer(tmp_path):
-    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+    from memwrap.integrations.transformers.trainer import memwrap_trainer_kwargs
 
     args = hf_args(tmp_path, optim="galore_adamw_layerwise", gradient_accumulation_steps=2, **LOW_RANK)
     with pytest.raises(ValueError, match="cannot accumulate.*Fix: set it to 1"):
@@ -511,7 +511,7 @@ def test_every_plugin_passes_the_conformance_kit(name):
 
 def test_state_bytes_of_the_low_rank_optimizers_on_a_transformer_shape():
     """Exact for 'all-linear' (the planner's assumption); measured after a real step."""
-    from memwrap.registry import measure_state_bytes
+    from memwrap.plugin.registry import measure_state_bytes
 
     for name in ("galore_adamw", "galore_adafactor", "apollo_adamw"):
         model = Tiny()
@@ -527,7 +527,7 @@ def test_state_bytes_of_the_low_rank_optimizers_on_a_transformer_shape():
 def test_trainer_trains_with_memwrap_optimizer_exactly_as_with_its_own(tmp_path, name):
     from transformers import Trainer
 
-    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+    from memwrap.integrations.transformers.trainer import memwrap_trainer_kwargs
 
     class TinyOutputs(Tiny):  # Trainer reads the loss from the model's outputs
         def forward(self, input_ids, labels=None):
@@ -660,7 +660,7 @@ def test_bad_hyperparameters_get_memwraps_message_naming_the_option(name, hp, ma
 def _train_layerwise(tmp_path, name, *, use_memwrap, explicit=False, per_parameter_schedulers=False, **args_kw):
     from transformers import Trainer
 
-    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+    from memwrap.integrations.transformers.trainer import memwrap_trainer_kwargs
 
     class TinyOutputs(Tiny):
         def forward(self, input_ids, labels=None):
@@ -703,7 +703,7 @@ def test_layerwise_in_trainer_under_a_schedule_matches_trainer(tmp_path, name):
     """Issue 22 item 24 (max_steps=3, learning_rate=1e-3, the default linear schedule and clipping): the difference
     was the schedule, which Trainer's own layer-wise optimizers never see. From args.optim Trainer keeps its own
     (a warning says why); optim= explicitly builds memwrap's, equal to Trainer's per-parameter schedulers."""
-    from memwrap.integrations.transformers import memwrap_trainer_kwargs
+    from memwrap.integrations.transformers.trainer import memwrap_trainer_kwargs
 
     args = hf_args(tmp_path / "d", optim=name, learning_rate=1e-3, gradient_accumulation_steps=1, **_args_for(name))
     with pytest.warns(UserWarning, match=r"keeps its own optimizer.*never see lr_scheduler_type='linear'.*constant"):

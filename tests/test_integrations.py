@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import memwrap
-from memwrap.checkpointing import is_checkpointed
+from memwrap.checkpointing.apply import is_checkpointed
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
@@ -45,7 +45,7 @@ class PreHookCounter:
 
 
 def test_integrations_import_their_framework_lazily():
-    code = ("import sys, memwrap.integrations.transformers, memwrap.integrations.lightning; "
+    code = ("import sys, memwrap.integrations.transformers.trainer, memwrap.integrations.lightning.callback; "
             "bad = [m for m in ('transformers', 'lightning', 'pytorch_lightning', 'bitsandbytes') if m in sys.modules]; "
             "assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -70,7 +70,7 @@ def train_hf(tmp_path, memwrap_kwargs=None, **args_kw):
     counter = PreHookCounter(model.model.layers[0].input_layernorm)
     extra = {}
     if memwrap_kwargs is not None:
-        from memwrap.integrations.transformers import memwrap_trainer_kwargs
+        from memwrap.integrations.transformers.trainer import memwrap_trainer_kwargs
 
         extra = memwrap_trainer_kwargs(model, args, **memwrap_kwargs)
     trainer = Trainer(model=model, args=args, train_dataset=hf_dataset(), **extra)
@@ -120,8 +120,8 @@ def test_trainer_with_memwrap_matches_trainer_with_its_own_8bit_adam(tmp_path):
 
 @needs_hf
 def test_trainer_kwargs_refuse_double_checkpointing_and_unknown_names(tmp_path):
-    from memwrap.integrations.transformers import memwrap_trainer_kwargs
-    from memwrap.registry import UnknownOptimizerError
+    from memwrap.integrations.transformers.trainer import memwrap_trainer_kwargs
+    from memwrap.plugin.registry import UnknownOptimizerError
 
     model = tiny_llama()
     with pytest.raises(ValueError, match="checkpointing=False"):
@@ -136,7 +136,7 @@ def test_trainer_kwargs_refuse_double_checkpointing_and_unknown_names(tmp_path):
 def test_seed_template_becomes_wrap_options_for_a_plain_loop(tmp_path):
     import bitsandbytes as bnb
 
-    from memwrap.integrations.transformers import wrap_options
+    from memwrap.integrations.transformers.trainer import wrap_options
 
     # The seeds' recommended TrainingArguments template (torch_compile & data-loader fields included).
     template = hf_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=8, gradient_checkpointing=True,
@@ -165,7 +165,7 @@ def test_seed_template_becomes_wrap_options_for_a_plain_loop(tmp_path):
 def test_options_from_names_every_field_it_leaves_to_the_loop_with_how_to_apply_it(tmp_path):
     # options_from(args) returned its options and said nothing about torch_compile, dataloader_num_workers or
     # per_device_train_batch_size, which wrap_options(args) named: one function, one behaviour.
-    from memwrap.integrations.transformers import wrap_options
+    from memwrap.integrations.transformers.trainer import wrap_options
 
     template = hf_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=8, gradient_checkpointing=True,
                        fp16=True, optim="adamw_bnb_8bit", torch_compile=True, dataloader_pin_memory=False,
@@ -190,7 +190,7 @@ def test_options_from_names_every_field_it_leaves_to_the_loop_with_how_to_apply_
 
 
 def test_wrap_options_reads_duck_typed_arguments():
-    from memwrap.integrations.transformers import wrap_options
+    from memwrap.integrations.transformers.trainer import wrap_options
 
     args = SimpleNamespace(gradient_accumulation_steps=4, bf16=True, optim="adafactor", max_grad_norm=0)
     assert wrap_options(args, checkpoint="selective") == {
@@ -242,7 +242,7 @@ def fit_lightning(callbacks, steps=3, **trainer_kw):
 def test_lightning_callback_converts_optimizer_and_checkpoints():
     import bitsandbytes as bnb
 
-    from memwrap.integrations.lightning import MemwrapCallback
+    from memwrap.integrations.lightning.callback import MemwrapCallback
 
     callback = MemwrapCallback(checkpoint="auto", optim="adamw_bnb_8bit")
     trainer, module, counter = fit_lightning([callback])
@@ -262,7 +262,7 @@ def test_lightning_callback_converts_optimizer_and_checkpoints():
 
 @needs_pl
 def test_lightning_keeps_its_own_precision_and_accumulation():
-    from memwrap.integrations.lightning import MemwrapCallback
+    from memwrap.integrations.lightning.callback import MemwrapCallback
 
     callback = MemwrapCallback(checkpoint="selective")
     trainer, module, counter = fit_lightning([callback], steps=4, precision="bf16-mixed", accumulate_grad_batches=2)
@@ -274,8 +274,8 @@ def test_lightning_keeps_its_own_precision_and_accumulation():
 
 @needs_pl
 def test_lightning_callback_validates_at_construction():
-    from memwrap.integrations.lightning import MemwrapCallback
-    from memwrap.registry import UnknownOptimizerError
+    from memwrap.integrations.lightning.callback import MemwrapCallback
+    from memwrap.plugin.registry import UnknownOptimizerError
 
     with pytest.raises(UnknownOptimizerError):
         MemwrapCallback(optim="adamw_9bit")
@@ -304,7 +304,7 @@ def _sched_lrs(scheduler, optimizer, steps=4):
 
 @pytest.mark.parametrize("shape", ["optimizer", "list", "tuple_of_lists", "dict", "list_of_dicts"])
 def test_converter_handles_every_configure_optimizers_shape(shape):
-    from memwrap.integrations.lightning import _Converter
+    from memwrap.integrations.lightning.callback import _Converter
 
     net = torch.nn.Linear(3, 2)
 

@@ -12,10 +12,10 @@ import torch
 
 import memwrap
 from memwrap.memory import measure_peak
-from memwrap.memory.planner import plan
+from memwrap.memory.search.planner import plan
 from memwrap.models import Llama, LlamaConfig, build_preset, get_preset, preset_batch
-from memwrap.precision import Precision
-from memwrap.registry import OptimizerSpec, get_optimizer_spec, predict_state_bytes
+from memwrap.precision.base import Precision
+from memwrap.plugin.registry import OptimizerSpec, get_optimizer_spec, predict_state_bytes
 from plugin_registration import registered
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -149,7 +149,7 @@ class _Fp32Twin(Precision):
 
 def test_a_precision_plugin_is_searched_by_the_planner():
     with registered("k_precision_plugin", memwrap_precisions=lambda: [_Fp32Twin]):
-        from memwrap.memory.techniques import default_precisions
+        from memwrap.memory.search.techniques import default_precisions
 
         assert "k-fp32-twin" in default_precisions()
         build = _llama()

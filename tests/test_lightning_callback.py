@@ -17,7 +17,7 @@ pytest.importorskip("lightning")
 import lightning as L  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from memwrap.integrations.lightning import MemwrapCallback  # noqa: E402
+from memwrap.integrations.lightning.callback import MemwrapCallback  # noqa: E402
 
 needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
 lr_scheduler = torch.optim.lr_scheduler
@@ -220,7 +220,7 @@ def test_callback_still_converts_after_a_fit_that_raised():
 
 def test_unavailable_backend_fails_at_construction_like_create_optimizer(monkeypatch):
     import memwrap
-    from memwrap.registry import OptimizerUnavailableError
+    from memwrap.plugin.registry import OptimizerUnavailableError
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed
     with pytest.raises(OptimizerUnavailableError) as expected:

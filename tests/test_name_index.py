@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-import memwrap.plugins
-from memwrap.name_index import PluginCache, conflict_message, index_names
+import memwrap.plugin.manager
+from memwrap.plugin.name_index import PluginCache, conflict_message, index_names
 
 
 def test_index_names_keeps_conflicts_apart_with_every_claimant():
@@ -27,7 +27,7 @@ class _PM:
 
 def test_cache_rebuilds_when_a_plugin_object_changes_even_under_the_same_name(monkeypatch):
     pm = _PM([("a", object())])
-    monkeypatch.setattr(memwrap.plugins, "get_plugin_manager", lambda: pm)
+    monkeypatch.setattr(memwrap.plugin.manager, "get_plugin_manager", lambda: pm)
     calls = []
     cache = PluginCache(lambda: calls.append(1) or len(calls))
     assert cache.get() == 1 and cache.get() == 1  # same plugin objects: cached
@@ -39,7 +39,7 @@ def test_cache_rebuilds_when_a_plugin_object_changes_even_under_the_same_name(mo
 
 def test_a_failed_collect_is_not_cached(monkeypatch):
     pm = _PM([("a", object())])
-    monkeypatch.setattr(memwrap.plugins, "get_plugin_manager", lambda: pm)
+    monkeypatch.setattr(memwrap.plugin.manager, "get_plugin_manager", lambda: pm)
     outcomes = iter([RuntimeError("boom"), "ok"])
 
     def collect():

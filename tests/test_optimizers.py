@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import memwrap
-from memwrap.registry import (ConversionWarning, OptimizerUnavailableError, UnknownOptimizerError, convert_optimizer,
+from memwrap.plugin.registry import (ConversionWarning, OptimizerUnavailableError, UnknownOptimizerError, convert_optimizer,
                               create_optimizer, get_optimizer_spec, measure_state_bytes, optimizers,
                               predict_state_bytes)
 from memwrap.testing import check_optimizer
@@ -51,7 +51,7 @@ def test_every_builtin_passes_the_conformance_kit(name):
 def test_kit_catches_a_wrong_state_bytes(monkeypatch):
     import dataclasses
 
-    from memwrap import registry
+    from memwrap.plugin import registry
 
     spec = get_optimizer_spec("adamw")
     wrong = dataclasses.replace(spec, state_bytes=lambda p, module=None, **hp: p.numel() * 4)
@@ -279,7 +279,7 @@ def test_spec_flags_describe_the_builtins():
         import dataclasses
         from unittest import mock
 
-        from memwrap import registry
+        from memwrap.plugin import registry
 
         lying = dataclasses.replace(specs["torch_adafactor"], runs_on_fake=True)
         with mock.patch.object(registry, "get_optimizer_spec", lambda name: lying):
@@ -471,7 +471,7 @@ def test_a_carried_value_the_target_does_not_read_is_named(monkeypatch):
     """The safety net: a plugin carrying a key its optimizer never reads (as optimi's betas were) is not silent."""
     import dataclasses
 
-    from memwrap import registry
+    from memwrap.plugin import registry
 
     pytest.importorskip("optimi")
     broken = dataclasses.replace(get_optimizer_spec("stable_adamw"), group_keys=None)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import memwrap
 from memwrap.memory import estimate, plan
 from memwrap.memory.budget import format_bytes
-from memwrap.memory.planner import Margin
+from memwrap.memory.search.planner import Margin
 from memwrap.models import build_preset, lm_loss, preset_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -250,7 +250,7 @@ def test_keep_optim_accepts_an_alias():
 
 
 def _sgd_spec(name, **kw):
-    from memwrap.registry import OptimizerSpec
+    from memwrap.plugin.registry import OptimizerSpec
 
     return OptimizerSpec(name=name, factory=lambda params, **hp: torch.optim.SGD(params, **hp),
                          state_bytes=kw.pop("state_bytes", lambda p, module=None, **hp: p.numel() * p.element_size()),
@@ -260,7 +260,7 @@ def _sgd_spec(name, **kw):
 @pytest.fixture
 def register_optimizers():
     """Register optimizer specs as a third-party plugin does (its hook returns them); unregistered after the test."""
-    from memwrap.plugins import get_plugin_manager
+    from memwrap.plugin.manager import get_plugin_manager
 
     pm, names = get_plugin_manager(), []
 
@@ -279,8 +279,8 @@ def register_optimizers():
 
 
 def test_default_optimizers_come_from_the_registry_third_party_plugins_included(register_optimizers):
-    from memwrap.memory.planner import default_optimizers
-    from memwrap.registry import optimizers
+    from memwrap.memory.search.planner import default_optimizers
+    from memwrap.plugin.registry import optimizers
 
     register_optimizers(_sgd_spec("sgd_planner_test"))
     defaults = default_optimizers()
@@ -329,7 +329,7 @@ def test_an_int_budget_without_unit_is_refused():
 
 
 def test_keep_optim_takes_your_optimizer_and_plans_it_as_built():
-    from memwrap.state_size import measure_state_bytes
+    from memwrap.plugin.state_size import measure_state_bytes
 
     model = factory()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -379,7 +379,7 @@ def _tiny_moe(kind: str):
 @pytest.mark.parametrize("kind, precision", [("mixtral", "fp32"), ("qwen2_moe", "bf16")])  # both failed in both
 def test_moe_models_are_traced_and_match_the_measured_peak(kind, precision):
     # torch's fake kernel of grouped_mm accepted bf16 inputs only ("Expected inputs of BF16 type"); the CPU kernel
-    # runs fp32 (and bf16 autocast leaves the op in fp32): memwrap.memory.fake_kernels gives the real kernel's result.
+    # runs fp32 (and bf16 autocast leaves the op in fp32): memwrap.memory.tracing.fake_kernels gives the real kernel's result.
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
     predicted = estimate(_tiny_moe(kind), batch, precision=precision).peak
@@ -394,7 +394,7 @@ def test_an_approximation_of_your_optimizer_with_uncompensated_updates_ranks_bef
     from types import SimpleNamespace
 
     from memwrap.memory.margin import Margin
-    from memwrap.memory.ranking import rank
+    from memwrap.memory.search.ranking import rank
 
     def cand(optim, seconds, compensation="none"):
         return SimpleNamespace(optim=optim, precision="bf16-true", seconds=seconds, extra={"compensation": compensation},

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import memwrap
-from memwrap.memory.planner import plan
-from memwrap.memory.techniques import family, state_floor, traced_as
+from memwrap.memory.search.planner import plan
+from memwrap.memory.search.techniques import family, state_floor, traced_as
 from memwrap.models import build_preset, preset_batch, lm_loss
 from test_distributed import needs_cpu_fsdp2
 
@@ -60,7 +60,7 @@ def test_memory_like_claims_hold_against_two_real_traces(mode, twin, layout):
 
 
 def test_shared_precisions_are_traced_once_and_ranked_by_their_own_speed(monkeypatch):
-    import memwrap.memory.planner as planner
+    import memwrap.memory.search.planner as planner
 
     calls = []
     real = planner.trace_config
@@ -137,7 +137,7 @@ def test_keep_optim_left_out_by_its_floor_is_said_so():
 
 
 def test_fake_process_group_restores_the_excepthook():
-    from memwrap.memory.sharded import fake_process_group
+    from memwrap.memory.sharded.trace import fake_process_group
 
     before = sys.excepthook
     for _ in range(3):
@@ -151,7 +151,7 @@ def test_fake_process_group_restores_the_excepthook():
 @needs_cpu_fsdp2
 def test_wrap_refuses_updates_in_backward_under_fsdp2_and_changes_nothing():
     pytest.importorskip("lomo_optim")
-    from memwrap.memory.sharded import _shard, fake_process_group
+    from memwrap.memory.sharded.trace import _shard, fake_process_group
 
     with fake_process_group(2) as mesh:
         net = _shard(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1)), None, mesh)
@@ -194,7 +194,7 @@ def test_fsdp2_probe_refuses_what_fails_on_shards_and_only_that():
     # train() were refused for the probe's sake.
     for module in ("apollo_torch", "galore_torch", "torchao", "optimi", "schedulefree"):
         pytest.importorskip(module)
-    from memwrap.memory.sharded import fsdp2_refusals
+    from memwrap.memory.sharded.trace import fsdp2_refusals
 
     names = ["apollo_adamw", "adamw_torch_8bit", "galore_adamw", "stable_adamw", "schedule_free_adamw", "adamw", "sgd"]
     why = fsdp2_refusals(names, 2)
@@ -209,7 +209,7 @@ def test_fsdp2_probe_agrees_with_real_two_rank_training(tmp_path):
     import json
     from pathlib import Path
 
-    from memwrap.memory.sharded import fsdp2_refusals
+    from memwrap.memory.sharded.trace import fsdp2_refusals
     from test_distributed import torchrun
 
     for module in ("apollo_torch", "galore_torch", "torchao", "optimi", "schedulefree"):
@@ -256,7 +256,7 @@ def test_with_budget_keeps_fewest_gpus_first_and_fsdp2_advice_is_not_shard_it():
 def test_nothing_fits_advice_knows_the_layout():
     from types import SimpleNamespace
 
-    from memwrap.memory.sharded_plan import sharded_advice
+    from memwrap.memory.sharded.plan import sharded_advice
 
     def cand(w, s):
         return SimpleNamespace(estimate=SimpleNamespace(world_size=w, strategy=s))
@@ -298,7 +298,7 @@ def test_derived_optimizer_state_under_fsdp2_is_the_ranks_share():
     # the rank's shards. Measured before: a 70B plan on 8 ranks charged each rank the whole model's 4-bit AdamW state
     # (68.25 GiB, 8x its share).
     pytest.importorskip("grokadamw")
-    from memwrap.registry import predict_state_bytes
+    from memwrap.plugin.registry import predict_state_bytes
 
     model = _model()
     full = predict_state_bytes("grokadamw", model)
@@ -317,7 +317,7 @@ def test_derived_optimizer_state_follows_the_precisions_storage_dtype(optim):
     # parameters as stored. Measured before: GrokAdamW's state was predicted in fp32, twice what the step allocates.
     import warnings
 
-    from memwrap.registry import create_optimizer, get_optimizer_spec, measure_state_bytes
+    from memwrap.plugin.registry import create_optimizer, get_optimizer_spec, measure_state_bytes
 
     spec = get_optimizer_spec(optim)
     if not spec.available()[0]:
@@ -326,7 +326,7 @@ def test_derived_optimizer_state_follows_the_precisions_storage_dtype(optim):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         est = memwrap.estimate(_model, lambda: _batch(2), loss_fn=lm_loss, precision="bf16-true", optim=optim,
-                               compensation=memwrap.memory.techniques.compensation_for("bf16-true", optim))
+                               compensation=memwrap.memory.search.techniques.compensation_for("bf16-true", optim))
         model = _model()
         opts = {"compensation": "none"} if est.options.get("compensation") == "none" else {}
         wmodel, wopt = memwrap.wrap(model, create_optimizer(optim, model.parameters(), model=model, lr=1e-3),
@@ -341,7 +341,7 @@ def test_an_optimizer_that_approximates_yours_ranks_before_other_maths():
     # The 70B-on-8-GPUs case in small: AdamW cannot fit, SGD (no state) and torchao's 8-bit AdamW can; SGD is faster
     # by the cost model, but the 8-bit AdamW keeps AdamW's update and hyperparameters.
     pytest.importorskip("torchao")
-    from memwrap.registry import get_optimizer_spec
+    from memwrap.plugin.registry import get_optimizer_spec
 
     assert get_optimizer_spec("adamw_torch_8bit").approximates == "adamw"
     assert get_optimizer_spec("paged_adamw_8bit").approximates == "adamw" and get_optimizer_spec("sgd").approximates is None
@@ -357,6 +357,6 @@ def test_an_optimizer_that_approximates_yours_ranks_before_other_maths():
     assert sgd.seconds <= p.best.seconds  # so speed alone would have picked SGD
     assert "approximates adamw" in p.best.changes[0] and "Its hyperparameters are adamw's" in p.verdict
     with pytest.raises(TypeError, match="approximates must be an optimizer name"):
-        from memwrap.registry import OptimizerSpec
+        from memwrap.plugin.registry import OptimizerSpec
 
         OptimizerSpec(name="x", factory=lambda params: None, state_bytes=lambda p, module=None: 0, approximates=3)

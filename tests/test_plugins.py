@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import memwrap
-from memwrap import plugins
-from memwrap.plugins import (ENV_BLOCK, ENV_DISABLE_AUTOLOAD, PluginLoadWarning, get_plugin_manager, plugin_errors,
+from memwrap.plugin import manager as plugins
+from memwrap.plugin.manager import (ENV_BLOCK, ENV_DISABLE_AUTOLOAD, PluginLoadWarning, get_plugin_manager, plugin_errors,
                              plugin_info, reset_plugin_manager)
-from memwrap.registry import (OptimizerConflictError, UnknownOptimizerError, create_optimizer, get_optimizer_spec,
+from memwrap.plugin.registry import (OptimizerConflictError, UnknownOptimizerError, create_optimizer, get_optimizer_spec,
                               optimizers)
 
 EXAMPLE = Path(__file__).parent / "example_plugin"
@@ -23,7 +23,7 @@ BUILTIN_PLUGINS = ("torch_optim", "bitsandbytes", "adafactor")  # at least these
 
 GOOD_PLUGIN = '''
 import torch, memwrap
-from memwrap.registry import OptimizerSpec
+from memwrap.plugin.registry import OptimizerSpec
 
 @memwrap.hookimpl
 def memwrap_optimizers():
@@ -240,7 +240,7 @@ def test_builtins_listed_by_metadata_but_not_importable_load_from_the_source_tre
 
 
 def test_import_memwrap_and_listing_do_not_import_bitsandbytes():
-    code = ("import sys, memwrap; rows = memwrap.optimizers(); import memwrap.registry as r; "
+    code = ("import sys, memwrap; rows = memwrap.optimizers(); import memwrap.plugin.registry as r; "
             "r.get_optimizer_spec('adamw_8bit'); assert 'bitsandbytes' not in sys.modules, 'imported'; "
             "print(len(rows))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -249,7 +249,7 @@ def test_import_memwrap_and_listing_do_not_import_bitsandbytes():
 
 
 def test_hookspecs_document_their_contract():
-    from memwrap import hookspecs
+    from memwrap.plugin import hookspecs
 
     pm = get_plugin_manager()
     for name in ("memwrap_optimizers", "memwrap_checkpoint_policies"):
@@ -279,7 +279,7 @@ def memwrap_checkpoint_policies():
 
 SPEC_PLUGIN = '''
 import torch, memwrap
-from memwrap.registry import OptimizerSpec
+from memwrap.plugin.registry import OptimizerSpec
 
 def boom(*args, **kwargs):
     raise RuntimeError("{message}")
@@ -311,7 +311,7 @@ class MLPBlock(torch.nn.Module):
 
 
 def test_checkpoint_policy_hook_that_raises_does_not_break_other_plugins_policies(site):
-    from memwrap.checkpoint_policies import parse_checkpoint_option
+    from memwrap.checkpointing.policies import parse_checkpoint_option
 
     site("polbroken-dist", {"polbroken": "memwrap_polbroken_mod"}, {"memwrap_polbroken_mod": """
         import memwrap
@@ -343,7 +343,7 @@ def test_checkpoint_policy_hook_that_raises_does_not_break_other_plugins_policie
 
 
 def test_checkpoint_policy_hook_returning_garbage_or_clashing_is_isolated(site):
-    from memwrap.checkpoint_policies import parse_checkpoint_option
+    from memwrap.checkpointing.policies import parse_checkpoint_option
 
     site("polbad-dist", {"polbad": "memwrap_polbad_mod"}, {"memwrap_polbad_mod": POLICY_PLUGIN.format(
         policies='["mlp-only"]')})
@@ -381,10 +381,10 @@ def test_spec_whose_state_bytes_or_available_raises_is_listed_unavailable_with_t
     with warnings.catch_warnings():  # reported once: listing again is quiet
         warnings.simplefilter("error", PluginLoadWarning)
         memwrap.optimizers()
-        with pytest.raises(memwrap.registry.OptimizerUnavailableError, match="availability probe exploded"):
+        with pytest.raises(memwrap.plugin.registry.OptimizerUnavailableError, match="availability probe exploded"):
             create_optimizer("bad_avail", [torch.zeros(1, requires_grad=True)])
         with pytest.raises(plugins.PluginError, match=r"'bytesbug'.*'bytes-dist'.*bad_bytes.state_bytes"):
-            memwrap.registry.predict_state_bytes("bad_bytes", torch.nn.Linear(2, 2))
+            memwrap.plugin.registry.predict_state_bytes("bad_bytes", torch.nn.Linear(2, 2))
     assert type(create_optimizer("adamw", [torch.zeros(1, requires_grad=True)])) is torch.optim.AdamW
 
 
@@ -450,7 +450,7 @@ def test_plan_and_cli_skip_a_broken_optimizer_with_a_note(site, capsys):
 
     site("planbug-dist", {"planbug": "memwrap_planbug_mod"}, {"memwrap_planbug_mod": """
         import torch, memwrap
-        from memwrap.registry import OptimizerSpec
+        from memwrap.plugin.registry import OptimizerSpec
 
         def no_bytes(param, module=None, **hp):
             raise RuntimeError("no bytes today")
@@ -487,7 +487,7 @@ def test_conformance_kit_reports_a_broken_spec_as_a_failed_check(site):
 
     site("kit-dist", {"kitbug": "memwrap_kit_mod"}, {"memwrap_kit_mod": """
         import torch, memwrap
-        from memwrap.registry import OptimizerSpec
+        from memwrap.plugin.registry import OptimizerSpec
 
         def no_bytes(param, module=None, **hp):
             raise RuntimeError("no bytes today")
@@ -516,8 +516,8 @@ def test_guarding_covers_hooks_and_spec_fields_added_later(site):
 
     import pluggy
 
-    from memwrap.plugin_calls import call_hook
-    from memwrap.registry import OptimizerSpec
+    from memwrap.plugin.calls import call_hook
+    from memwrap.plugin.registry import OptimizerSpec
 
     class LaterSpecs:
         @pluggy.HookspecMarker("memwrap")
@@ -570,9 +570,9 @@ def test_memwrap_calls_hooks_only_through_the_guarded_path():
     root = Path(memwrap.__file__).parent
     offenders = []
     for path in [*root.rglob("*.py"), *(root.parent / "plugins").rglob("*.py")]:
-        if path.name in ("plugin_calls.py", "plugins.py"):  # the guarded path itself, and the manager
+        if path.relative_to(root.parent).as_posix() in ("memwrap/plugin/calls.py", "memwrap/plugin/manager.py"):  # the guarded path, the manager
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if re.search(r"\.hook\.memwrap_\w+\s*\(|\.get_hookimpls\(\)", line):
                 offenders.append(f"{path.relative_to(root.parent)}:{n}: {line.strip()}")
-    assert not offenders, "call hooks through memwrap.plugin_calls.call_hook:\n" + "\n".join(offenders)
+    assert not offenders, "call hooks through memwrap.plugin.calls.call_hook:\n" + "\n".join(offenders)

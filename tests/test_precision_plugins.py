@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import memwrap
-from memwrap.config import parse_options
-from memwrap.plugins import hookimpl, plugin_errors
-from memwrap.precision import (Precision, PrecisionConflictError, UnknownPrecisionError, get_precision_class,
+from memwrap.config.options import parse_options
+from memwrap.plugin.manager import hookimpl, plugin_errors
+from memwrap.precision.base import (Precision, PrecisionConflictError, UnknownPrecisionError, get_precision_class,
                                precision_names, precisions, resolve_precision)
 from memwrap.testing import check_precision
 from plugin_registration import registered
@@ -201,7 +201,7 @@ def test_a_conversion_that_fails_part_way_leaves_every_tensor_as_it_was():
     for p in model.parameters():
         assert opt.state[p].keys() == state[p].keys()
         assert all(torch.equal(opt.state[p][k], v) and opt.state[p][k].dtype == v.dtype for k, v in state[p].items())
-    from memwrap.checkpointing import is_checkpointed
+    from memwrap.checkpointing.apply import is_checkpointed
 
     assert not any(is_checkpointed(m) for m in model.modules())  # the change before it was undone too
     memwrap.wrap(model, opt, precision="bf16-true", compensation="none")  # a retry behaves like a first call
@@ -209,7 +209,7 @@ def test_a_conversion_that_fails_part_way_leaves_every_tensor_as_it_was():
 
 
 def test_the_conversion_undo_restores_after_a_success():
-    from memwrap.precision import convert_model, get_precision
+    from memwrap.precision.base import convert_model, get_precision
 
     net = torch.nn.Linear(3, 2)
     opt = torch.optim.Adagrad(net.parameters())

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import dist_worker as w
-from memwrap.memory.sharded import check_sharding, ddp_bucket_bytes
-from memwrap.memory.sharded_plan import layouts
+from memwrap.memory.sharded.trace import check_sharding, ddp_bucket_bytes
+from memwrap.memory.sharded.plan import layouts
 from test_distributed import ROOT, needs_cpu_fsdp2, torchrun
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
@@ -81,7 +81,7 @@ def test_measured_ranks_agree_and_fsdp2_saves_memory(measured):
     # benchmarks/distributed_planner.py's model: traces of 2 and 3 blocks were 19.7 MB (+8.9%) over the full trace
     ({}, 384, 128, 2)], ids=["plain", "acc-bf16", "every-2", "full-acc", "plain-wide"])
 def test_fsdp2_extrapolation_equals_full_trace(options, width, seq, ranks):
-    from memwrap.memory.estimator import trace_config
+    from memwrap.memory.tracing.estimator import trace_config
     from memwrap.models import build_preset, lm_loss, preset_batch
 
     # every-2: traces of 4 and 6 blocks
@@ -165,7 +165,7 @@ def test_unknown_strategy_suggests_the_closest():
 
 
 def test_strategy_this_torch_cannot_run_names_the_fix(monkeypatch):
-    import memwrap.memory.sharded as sharded
+    import memwrap.memory.sharded.trace as sharded
 
     monkeypatch.setattr(sharded, "_fsdp2_missing", lambda: "it lacks FSDPMemTracker")
     with pytest.raises(ValueError, match="cannot be planned with torch .*it lacks FSDPMemTracker.*upgrade torch"):
@@ -215,7 +215,7 @@ def test_pasted_code_converts_the_weights_before_sharding_when_the_precision_sto
     # dtype), so a bf16-true plan's code must convert first; an fp32 plan's code converts nothing.
     from types import SimpleNamespace
 
-    from memwrap.memory.sharded_plan import sharded_code
+    from memwrap.memory.sharded.plan import sharded_code
 
     def code(precision):
         est = SimpleNamespace(world_size=2, strategy=strategy, stack="layers")

@@ -215,7 +215,7 @@ def test_optimi_without_gradient_release_and_data_parallel_are_refused(monkeypat
     model = RegressionModel()
     with pytest.raises(ValueError, match=r"gradient_release=True"):
         memwrap.wrap(model, optimi.AdamW(model.parameters(), lr=1e-3), step_in_backward=True)
-    from memwrap import distributed
+    from memwrap.runtime import distributed
 
     monkeypatch.setattr(distributed, "sync_control", lambda model: (lambda closes: None))
     with pytest.raises(ValueError, match="DDP/FSDP2.*all-reduce"):
@@ -356,7 +356,7 @@ def test_unwrap_removes_the_hooks():
 
 
 def test_planner_helper_counts_one_gradient_at_a_time():
-    from memwrap.step_in_backward import gradient_bytes_held
+    from memwrap.techniques.step_in_backward import gradient_bytes_held
 
     sizes = [p.numel() * 4 for p in RegressionModel().parameters()]
     assert gradient_bytes_held(sizes, 1) == max(sizes)
@@ -379,7 +379,7 @@ def test_an_optimizer_keeping_per_group_counters_is_stopped_not_silently_wrong(m
                 group["k"] = group.get("k", 0) + 1
             return super().step(closure)
 
-    from memwrap import step_in_backward
+    from memwrap.techniques import step_in_backward
 
     monkeypatch.setattr(step_in_backward, "PER_PARAMETER_FAMILIES",
                         step_in_backward.PER_PARAMETER_FAMILIES | {CountingSGD.__module__.split(".")[0]})

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memwrap
-from memwrap.registry import ConversionWarning
+from memwrap.plugin.registry import ConversionWarning
 from memwrap.testing import RegressionModel, regression_batch
 
 SYNC_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)

@@ -171,8 +171,8 @@ def test_the_missing_backward_warning_points_at_the_users_line_too():
 
 
 def test_records_of_a_window_that_never_closed_do_not_leak_into_the_next():
-    from memwrap.accumulation import AccumulationGate
-    from memwrap.window_loss import WindowLoss
+    from memwrap.runtime.gate import AccumulationGate
+    from memwrap.runtime.window_loss import WindowLoss
 
     gate = AccumulationGate(3)
     log = WindowLoss(gate)

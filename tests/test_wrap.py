@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import memwrap
-from memwrap.optimizer import WrappedOptimizer
+from memwrap.runtime.optimizer import WrappedOptimizer
 from tests.conftest import max_rel_err
 
 

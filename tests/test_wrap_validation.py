@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 import memwrap
-import memwrap.precision
+import memwrap.precision.base
 import memwrap.wrapper
-from memwrap.checkpointing import is_checkpointed
+from memwrap.checkpointing.apply import is_checkpointed
 
 pytestmark = pytest.mark.filterwarnings("ignore:precision='tf32' only changes CUDA", "ignore:converting ")
 
@@ -155,7 +155,7 @@ def test_a_refused_wrap_changes_nothing_and_a_retry_is_a_first_call(case, matmul
 def test_a_failure_after_the_checks_is_rolled_back(failing, matmul_highest, monkeypatch):
     """What cannot be checked beforehand (a constructor, checkpointing half applied, a precision's conversion)
     leaves nothing behind either: checkpoint hooks, TF32 and the KV-cache flag are undone."""
-    import memwrap.checkpointing
+    import memwrap.checkpointing.apply
 
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -165,16 +165,16 @@ def test_a_failure_after_the_checks_is_rolled_back(failing, matmul_highest, monk
         raise RuntimeError("injected failure")
 
     def half_applied(target, **how):
-        memwrap.checkpointing._checkpoint_module(target.blocks[0], "full", False)
+        memwrap.checkpointing.apply._checkpoint_module(target.blocks[0], "full", False)
         boom()
 
     with monkeypatch.context() as patch:
         if failing == "apply_checkpointing":
-            patch.setattr(memwrap.checkpointing, failing, half_applied)
+            patch.setattr(memwrap.checkpointing.apply, failing, half_applied)
         elif failing == "convert_module":
-            patch.setattr(type(memwrap.precision.get_precision("tf32")), failing, boom)
+            patch.setattr(type(memwrap.precision.base.get_precision("tf32")), failing, boom)
         elif failing == "StepInBackward":  # hooks on the parameters, set up after the model's changes
-            patch.setattr("memwrap.step_in_backward.StepInBackward", boom)
+            patch.setattr("memwrap.techniques.step_in_backward.StepInBackward", boom)
         else:
             patch.setattr(memwrap.wrapper, failing, boom)
         with pytest.raises(RuntimeError, match="injected failure"):

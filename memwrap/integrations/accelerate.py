@@ -158,7 +158,7 @@ def check_outer_accumulation(optimizer: torch.optim.Optimizer, accumulate: int, 
         "window. This step() was not applied. Fix: keep one of "
         "them: accumulate=1 (the loop accumulates; memwrap still clips and checks at its window's end), or the loop's "
         "gradient_accumulation_steps=1 and memwrap's accumulate=; inside Hugging Face Trainer use "
-        "memwrap.integrations.transformers.memwrap_trainer_kwargs with Trainer's gradient_accumulation_steps and pass "
+        "memwrap.integrations.transformers.trainer.memwrap_trainer_kwargs with Trainer's gradient_accumulation_steps and pass "
         "Trainer the unwrapped model.")
 
 

@@ -11,10 +11,10 @@ Example:
 # No submodule shares its name with a public function (estimator.py defines estimate, planner.py
 # defines plan): importing a submodule rebinds the package attribute of the same name.
 from memwrap.memory.budget import format_bytes, parse_budget
-from memwrap.memory.estimator import Estimate, estimate
+from memwrap.memory.tracing.estimator import Estimate, estimate
 from memwrap.memory.measure import measure_peak
 from memwrap.memory.monitor import MemoryMonitor
-from memwrap.memory.planner import Candidate, Plan, plan
+from memwrap.memory.search.planner import Candidate, Plan, plan
 
 __all__ = ["estimate", "plan", "Estimate", "Plan", "Candidate", "MemoryMonitor", "parse_budget", "format_bytes",
            "measure_peak"]

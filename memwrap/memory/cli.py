@@ -334,8 +334,8 @@ def _preflight(module: Any, make_batch: Any, loss: Any, what: str, shape: list[i
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memwrap.memory.batch import split_batch
-    from memwrap.memory.trace import _to_fake, fake_model, find_stack
+    from memwrap.memory.tracing.batch import split_batch
+    from memwrap.memory.tracing.trace import _to_fake, fake_model, find_stack
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     device = torch.device("cpu")
@@ -448,8 +448,8 @@ def run(args: argparse.Namespace) -> int:
     """Execute ``memwrap plan``; returns the exit status: 0 when a configuration fits, 3 when nothing fits
     (:data:`EXIT_NOTHING_FITS`, as ``memwrap demo``), 2 for bad input."""
     from memwrap.memory.budget import parse_budget
-    from memwrap.memory.planner import Margin, plan
-    from memwrap.memory.report import plan_table, plot_plan, print_plan
+    from memwrap.memory.search.planner import Margin, plan
+    from memwrap.memory.search.report import plan_table, plot_plan, print_plan
 
     try:  # every input error exits 2, as argparse's own do
         parse_budget(args.budget, what="--budget")  # checked here to name the flag; plan() reads the same text

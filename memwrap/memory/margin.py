@@ -63,4 +63,4 @@ class Margin:
             return cls(value[0], 0 if fixed in (None, "") else parse_budget(fixed, what="margin", allow_zero=True))
         raise ValueError(f"margin={value!r} is not valid; give a fraction of the peak in [0, 1) (e.g. 0.1, which "
                          f"keeps the default 1 GiB fixed part), a (fraction, size) pair such as (0.08, '1GiB') or "
-                         f"(0.1, 0), or a memwrap.memory.planner.Margin.")
+                         f"(0.1, 0), or a memwrap.memory.search.planner.Margin.")

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from memwrap.memory.monitor import process_memory, reset_process_peak
-from memwrap.memory.batch import default_loss, split_batch
+from memwrap.memory.tracing.batch import default_loss, split_batch
 
 __all__ = ["measure_peak", "live_bytes", "allocator_growth"]
 
@@ -135,7 +135,7 @@ def measure_peak(model: nn.Module | Callable[[], nn.Module], batch: Any, loss_fn
         True
     """
     import memwrap
-    from memwrap.registry import create_optimizer
+    from memwrap.plugin.registry import create_optimizer
 
     gc.collect()
     if torch.cuda.is_initialized():

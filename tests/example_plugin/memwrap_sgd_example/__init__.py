@@ -8,7 +8,7 @@ Installed, it is found through its entry point (group ``memwrap``) with no chang
 import torch
 
 import memwrap
-from memwrap.registry import OptimizerSpec
+from memwrap.plugin.registry import OptimizerSpec
 
 
 def make_sgd(params, **hyperparameters):

@@ -1,0 +1,306 @@
+"""Activation checkpointing for any ``nn.Module``, applied with hooks (no module replacement).
+
+Each selected module gets torch's composable ``torch.distributed._composable.checkpoint``: forward
+hooks run the module under non-reentrant checkpointing, so module names, ``state_dict`` keys and
+``named_parameters()`` stay exactly as they were, and the user's ``forward`` is untouched.
+
+Example:
+    >>> import memwrap
+    >>> from memwrap.models import build_preset
+    >>> model = build_preset("gpt2-tiny")
+    >>> report = memwrap.apply_checkpointing(model, "auto", every=2, mode="selective")
+    >>> report.modules
+    ['transformer.h.0', 'transformer.h.2']
+    >>> memwrap.remove_checkpointing(model) is model
+    True
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+from torch.distributed._composable import checkpoint as _composable_checkpoint
+from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
+
+from memwrap.checkpointing.policies import (MODES, check_policy_name, find_blocks, parse_checkpoint_option,
+                                         plugin_policies, select_modules, selective_policy)
+from memwrap.errors import closest_hint
+
+__all__ = ["CheckpointReport", "apply_checkpointing", "remove_checkpointing", "find_blocks",
+           "parse_checkpoint_option", "is_checkpointed"]
+
+_ROOT_ATTR = "_memwrap_checkpoint_report"
+_MOD_ATTR = "_memwrap_checkpoint_hooks"
+
+
+@dataclass(frozen=True)
+class CheckpointReport:
+    """What :func:`apply_checkpointing` did. ``modules`` are qualified names relative to the model."""
+
+    modules: list[str]
+    policy: str
+    mode: str = "full"
+    every: int = 1
+    offload: bool = False
+    classes: dict[str, int] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        kinds = ", ".join(f"{n} x{c}" for n, c in self.classes.items())
+        shown = self.modules if len(self.modules) <= 6 else self.modules[:3] + ["..."] + self.modules[-2:]
+        return (f"checkpointed {len(self.modules)} module(s) ({kinds}); policy={self.policy}, mode={self.mode}, "
+                f"every={self.every}, offload={self.offload}: {', '.join(shown)}")
+
+
+def _describe(policy) -> str:
+    if policy is True or policy == "auto":
+        return "auto"
+    if isinstance(policy, str):
+        return policy
+    if isinstance(policy, type):
+        return f"{{{policy.__name__}}}"
+    if isinstance(policy, (set, frozenset, list, tuple)):
+        return "{" + ", ".join(sorted(c if isinstance(c, str) else c.__name__ for c in policy)) + "}"
+    return getattr(policy, "__qualname__", None) or repr(policy)
+
+
+def _offload_hooks(module: nn.Module) -> list[tuple[dict, int]]:
+    """Keep the checkpointed module's saved inputs on CPU (pinned when CUDA is up).
+
+    Inside the region the checkpoint's own saved-tensor hooks are innermost, so ``save_on_cpu``
+    entered around it only sees what checkpoint itself keeps: the module's positional tensor inputs.
+    """
+    stack: list = []
+
+    def pre(mod, args, kwargs):
+        ctx = None
+        # enable_hook is off while checkpoint recomputes in backward: offloading then would hide
+        # the recomputed tensors from checkpoint.
+        if torch.is_grad_enabled() and _composable_checkpoint.state(mod).enable_hook:
+            ctx = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+            ctx.__enter__()
+        stack.append(ctx)
+
+    def post(mod, args, kwargs, output):
+        ctx = stack.pop() if stack else None
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+
+    # prepend: enter before checkpoint's pre-hook saves the inputs; appended post-hook exits after
+    # checkpoint's (prepended) post-hook closed the region. always_call keeps the stack balanced on error.
+    h1 = module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
+    h2 = module.register_forward_hook(post, with_kwargs=True, always_call=True)
+    return [(module._forward_pre_hooks, h1.id), (module._forward_hooks, h2.id)]
+
+
+@contextlib.contextmanager
+def _keep_running_stats(norms: list[nn.Module]):
+    """Undo the running-statistics update that a recomputed train-mode BatchNorm performs.
+
+    Without this every checkpointed BatchNorm would count each batch twice (momentum applied
+    twice, ``num_batches_tracked`` += 2). The recomputed outputs use batch statistics, so
+    restoring the buffers afterwards does not change them.
+    """
+    saved = [[b.clone() if b is not None else None for b in (m.running_mean, m.running_var, m.num_batches_tracked)]
+             for m in norms]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, bufs in zip(norms, saved):
+                for dst, src in zip((m.running_mean, m.running_var, m.num_batches_tracked), bufs):
+                    if dst is not None:
+                        dst.copy_(src)
+
+
+def _contexts(selective: bool, norms: list[nn.Module]):
+    """``context_fn`` for checkpoint: (forward context, recompute context)."""
+    fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
+    if selective:
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+        fwd, rec = create_selective_checkpoint_contexts(selective_policy)
+    if not norms:
+        return fwd, rec
+
+    @contextlib.contextmanager
+    def recompute():  # the selective recompute mode and the running-stats guard together
+        with _keep_running_stats(norms), rec:
+            yield
+
+    return fwd, recompute()
+
+
+def _checkpoint_module(module: nn.Module, mode: str, offload: bool) -> None:
+    registry = module.__dict__.get(REGISTRY_KEY) or {}
+    if "checkpoint" in registry:
+        raise RuntimeError(f"{type(module).__name__} is already checkpointed by torch.distributed._composable."
+                           f"checkpoint outside memwrap; remove that call or let memwrap do it, not both")
+    before_pre, before_post = set(module._forward_pre_hooks), set(module._forward_hooks)
+    norms = [m for m in module.modules() if isinstance(m, _NormBase) and m.track_running_stats]
+    context_fn = None
+    if mode == "selective" or norms:
+        context_fn = functools.partial(_contexts, selective=mode == "selective", norms=norms)
+    # Explicit non-reentrant with RNG preserved: dropout masks match on recompute, frozen inputs
+    # still give parameter gradients, and DDP sees each parameter ready once.
+    _composable_checkpoint(module, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn)
+    hooks = [(module._forward_pre_hooks, k) for k in set(module._forward_pre_hooks) - before_pre]
+    hooks += [(module._forward_hooks, k) for k in set(module._forward_hooks) - before_post]
+    if offload:
+        hooks += _offload_hooks(module)
+    module.__dict__[_MOD_ATTR] = hooks
+
+
+def _uncheckpoint_module(module: nn.Module) -> None:
+    for hook_dict, key in module.__dict__.pop(_MOD_ATTR):
+        hook_dict.pop(key, None)
+        # the side tables of register_forward_(pre_)hook keyed by the same id
+        for side in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+            getattr(module, side).pop(key, None)
+    # Forget the composable API's per-module state so it can be applied again later.
+    for key in (STATE_KEY, REGISTRY_KEY):
+        table = module.__dict__.get(key)
+        if table is not None:
+            # the state table is keyed by the undecorated function, the registry by its name
+            table.pop(getattr(_composable_checkpoint, "__wrapped__", _composable_checkpoint), None)
+            table.pop("checkpoint", None)
+            if not table:
+                del module.__dict__[key]
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """True when memwrap checkpointing is active on ``module`` itself (not its children)."""
+    return _MOD_ATTR in module.__dict__
+
+
+def current_report(model: nn.Module) -> CheckpointReport | None:
+    """The report of the :func:`apply_checkpointing` call still active on ``model``, or None.
+
+    Example: ``current_report(model)`` after ``apply_checkpointing(model)`` equals its returned report.
+    """
+    return model.__dict__.get(_ROOT_ATTR)
+
+
+def resolve_policy(policy, every, mode, offload) -> tuple[object, int, str, bool]:
+    """Resolve a plugin-named policy to its policy and options, exactly as apply_checkpointing does.
+
+    Example: ``resolve_policy("auto", 1, "full", False) == ("auto", 1, "full", False)``.
+    """
+    if isinstance(policy, str) and policy != "auto":
+        check_policy_name(policy)  # two plugins defining this name: say which, not "not known"
+        named = plugin_policies()
+        if policy not in named:
+            valid = ["auto"] + sorted(named)
+            raise ValueError(f"checkpoint policy {policy!r} is not known.{closest_hint(policy, valid)} Valid names: "
+                             f"{', '.join(valid)}; or pass a set of module classes/class names or a callable. "
+                             f"(Shorthands like 'selective' or 'every-2' belong to wrap(checkpoint=...).)")
+        found = named[policy]
+        if isinstance(found, dict):
+            kw = parse_checkpoint_option(found)
+            # Arguments passed explicitly (non-default) win over the plugin's.
+            return (kw["policy"], every if every != 1 else kw.get("every", 1),
+                    mode if mode != "full" else kw.get("mode", "full"), offload or kw.get("offload", False))
+        policy = found
+    kw = parse_checkpoint_option({"policy": policy, "every": every, "mode": mode, "offload": offload})
+    return kw["policy"], kw["every"], kw["mode"], kw["offload"]
+
+
+def apply_checkpointing(model: nn.Module, policy="auto", *, every: int = 1, mode: str = "full",
+                        offload: bool = False) -> CheckpointReport:
+    """Checkpoint the modules of ``model`` that ``policy`` selects; returns a :class:`CheckpointReport`.
+
+    Args:
+        policy: ``"auto"``/``True`` (repeated blocks, see :func:`find_blocks`), a set of module
+            classes or class names, a callable ``(qualified_name, module) -> bool``, or the name of a
+            plugin-registered policy.
+        every: checkpoint only every ``every``-th selected module (the 1st, ``every+1``-th, ...).
+        mode: ``"full"`` recomputes the whole module in backward; ``"selective"`` keeps matmul,
+            convolution and attention outputs and recomputes the cheap ops.
+        offload: keep the checkpointed modules' saved inputs on CPU (pinned when CUDA is available).
+
+    Applying again with the same arguments returns the same report and changes nothing; with
+    other arguments the previous checkpointing is removed first.
+
+    Example:
+        >>> report = apply_checkpointing(model, {"GPTBlock"}, mode="selective")  # doctest: +SKIP
+        >>> print(report)  # doctest: +SKIP
+        checkpointed 4 module(s) (GPTBlock x4); policy={GPTBlock}, mode=selective, every=1, offload=False: ...
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply_checkpointing needs an nn.Module, got {type(model).__name__}")
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not valid.{closest_hint(mode, MODES)} Use one of {MODES}")
+    policy_r, every, mode, offload = resolve_policy(policy, every, mode, offload)
+    chosen = select_modules(model, policy_r)[::every]
+    report = CheckpointReport(modules=[n for n, _ in chosen], policy=_describe(policy), mode=mode, every=every,
+                              offload=offload, classes=dict(Counter(type(m).__name__ for _, m in chosen)))
+    previous = model.__dict__.get(_ROOT_ATTR)
+    if previous is not None and previous == report and all(is_checkpointed(m) for _, m in chosen):
+        return previous
+    remove_checkpointing(model)
+    for _, module in chosen:
+        _checkpoint_module(module, mode, offload)
+    model.__dict__[_ROOT_ATTR] = report
+    if chosen:
+        _disable_kv_cache(model)
+    return report
+
+
+_USE_CACHE_ATTR = "_memwrap_use_cache"
+
+
+def _cache_configs(model: nn.Module) -> list:
+    """Every distinct config object in ``model`` that turns a key/value cache on (``use_cache=True``).
+
+    A Hugging Face model does not keep one config: T5's and BART's decoders, Whisper's decoder, the language model
+    inside a vision-language model or inside a LightningModule each read the ``config`` of their own module, and
+    composite configs hold sub-configs (``text_config``, ``decoder``, ...). Each is looked at, once.
+    """
+    found, seen = [], set()
+
+    def visit(config, depth: int = 0) -> None:
+        if config is None or id(config) in seen or depth > 4 or isinstance(config, (str, bytes, int, float, dict)):
+            return
+        seen.add(id(config))
+        if getattr(config, "use_cache", None) is True:
+            found.append(config)
+        for value in getattr(config, "__dict__", {}).values():
+            if hasattr(value, "use_cache"):  # a sub-config (text_config, decoder, encoder, ...)
+                visit(value, depth + 1)
+
+    for module in model.modules():
+        visit(module.__dict__.get("config"))
+    return found
+
+
+def _disable_kv_cache(model: nn.Module) -> None:
+    # A Hugging Face model with use_cache builds a key/value cache in every training forward, and the recompute
+    # writes it again: memory for nothing, and a decoder that updates its cache in the recompute saves other tensors
+    # than in the forward (T5: CheckpointError 56 vs 52 saved tensors; a causal LM under selective checkpointing:
+    # "aten.slice.Tensor ... not found in storage"). transformers' gradient_checkpointing_enable turns the cache off
+    # (Trainer does too); memwrap does the same on every config the model holds, and remove_checkpointing restores
+    # exactly those it turned off.
+    if _USE_CACHE_ATTR in model.__dict__:
+        return
+    configs = _cache_configs(model)
+    if configs:
+        model.__dict__[_USE_CACHE_ATTR] = configs
+        for config in configs:
+            config.use_cache = False
+
+
+def remove_checkpointing(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply_checkpointing` on ``model`` and all its submodules; returns ``model``.
+
+    Example: ``remove_checkpointing(model)`` then ``model(x)`` stores all activations again.
+    """
+    for module in model.modules():
+        if is_checkpointed(module):
+            _uncheckpoint_module(module)
+    model.__dict__.pop(_ROOT_ATTR, None)
+    for config in model.__dict__.pop(_USE_CACHE_ATTR, None) or ():
+        config.use_cache = True
+    return model

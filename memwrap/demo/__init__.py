@@ -1,0 +1,2 @@
+"""``memwrap demo``: its runner, the corpus it trains on and its report.
+"""

@@ -1,0 +1,462 @@
+"""One training step traced on fake tensors: torch's MemTracker plus FlopCounterMode.
+
+The step is the one ``memwrap.wrap`` runs: the fake model is wrapped with the real ``wrap``
+(autocast, checkpointing, output casts and gradient hooks), the optimizer already holds its
+state (steady state), and with ``accumulate > 1`` two micro-batches are traced, because from the
+second one on the gradients of the earlier ones are alive while activations are built.
+
+Memory is recorded per *segment*: (micro-batch, phase, position relative to the repeated block
+stack). Each segment keeps the snapshot (bytes per category) at its own maximum. For a stack of
+identical blocks every segment maximum is an affine function of the stack depth, which is what
+makes extrapolation from two truncated depths exact when the checkpointed blocks repeat along
+the stack (see :mod:`memwrap.memory.tracing.estimator` and :mod:`memwrap.memory.tracing.depth`).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import itertools
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from memwrap.memory.tracing.batch import default_loss, split_batch
+import memwrap.memory.tracing.fake_kernels  # noqa: F401  fake kernels the trace needs (MoE grouped_mm in fp32)
+from memwrap.memory.tracing.grad_accumulation import InPlaceAccumulation
+
+__all__ = ["CATEGORIES", "Stack", "TraceResult", "find_stack", "fake_model", "truncated", "run_trace", "split_batch", "default_loss"]  # noqa: the last two re-exported from batch.py
+
+CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries", "other")
+_CAT = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers", _MemRefType.GRAD: "gradients",
+        _MemRefType.OPT: "optimizer_state", _MemRefType.ACT: "activations", _MemRefType.TEMP: "temporaries",
+        _MemRefType.OTH: "other"}
+# Offloaded activations are parked on this fake device during the trace, so that MemTracker keeps
+# them apart from device memory (see _fake_offload).
+HOST = torch.device("meta")
+
+
+# ----------------------------------------------------------------------------- the model
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """The homogeneous block stack of a model: ``parent.<attr>`` holds ``length`` identical blocks."""
+
+    name: str
+    length: int
+
+
+def _signature(module: nn.Module) -> tuple:
+    params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters())
+    buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in module.named_buffers())
+    kinds = tuple(type(m).__name__ for m in module.modules())
+    return params, buffers, kinds
+
+
+def find_stack(model: nn.Module, min_length: int = 4) -> Stack | None:
+    """The largest ``ModuleList``/``Sequential`` of identical blocks (same class, shapes, structure).
+
+    Example:
+        >>> from memwrap.models import build_preset
+        >>> with torch.device("meta"):
+        ...     find_stack(build_preset("llama-7b"))
+        Stack(name='model.layers', length=32)
+    """
+    best, best_size = None, -1
+    for name, mod in model.named_modules():
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or len(mod) < min_length or not name:
+            continue
+        kids = list(mod.children())
+        if len(kids) != len(mod):
+            continue
+        sig = _signature(kids[0])
+        if not sig[0] or any(type(k) is not type(kids[0]) or _signature(k) != sig for k in kids[1:]):
+            continue
+        size = sum(p.numel() for p in mod.parameters())
+        if size > best_size:
+            best, best_size = Stack(name, len(kids)), size
+    return best
+
+
+def fake_model(model: nn.Module, mode, device: torch.device, stack: Stack | None = None,
+               depth: int | None = None) -> nn.Module:
+    """A structural copy of ``model`` whose parameters and buffers are fake tensors on ``device``.
+
+    The real storage is never read or copied (the fakes only share shapes, strides and dtypes).
+    With ``stack`` and ``depth`` the copy keeps only the first ``depth`` blocks of the stack.
+    """
+    with truncated(model, stack, depth):
+        memo: dict[int, Any] = {}
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            if id(t) in memo:
+                continue
+            with mode:
+                ft = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+            memo[id(t)] = nn.Parameter(ft, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else ft
+        return copy.deepcopy(model, memo)
+
+
+@contextlib.contextmanager
+def truncated(model: nn.Module, stack: Stack | None, depth: int | None):
+    """Within the block, ``model``'s stack holds only its first ``depth`` blocks (nothing is copied).
+
+    Example:
+        >>> from memwrap.models import build_preset
+        >>> m = build_preset("gpt2-tiny")
+        >>> with truncated(m, find_stack(m, 2), 1):
+        ...     len(m.transformer.h)
+        1
+    """
+    if stack is None or depth is None or depth == stack.length:
+        yield model
+        return
+    prefix, _, attr = stack.name.rpartition(".")
+    parent = model.get_submodule(prefix) if prefix else model
+    original = getattr(parent, attr)
+    kids = list(original.children())[:depth]
+    parent._modules[attr] = nn.Sequential(*kids) if isinstance(original, nn.Sequential) else nn.ModuleList(kids)
+    try:
+        yield model
+    finally:
+        parent._modules[attr] = original
+
+
+# ----------------------------------------------------------------------------- the tracker
+
+@dataclasses.dataclass
+class Segment:
+    """The snapshot at one segment's maximum: device bytes per category, host (offloaded) bytes."""
+
+    total: int
+    bytes: dict[str, int]
+    host: int
+    where: str
+
+
+@dataclasses.dataclass
+class TraceResult:
+    """What one traced step measured (at the traced depth)."""
+
+    segments: dict[tuple, Segment]
+    state_bytes: dict[str, int]  # persistent totals at the start: parameters, buffers, optimizer_state
+    flops: int  # per micro-batch, including recompute
+    ops: int  # dispatched ops per micro-batch (forward + backward)
+    top_modules: list[tuple[str, int]]  # forward activation bytes per module
+    micro_batches: int
+    depth: int | None
+    seconds: float
+
+
+def _is_bw() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOKS = (_NoHook(), _NoHook())
+
+
+class SegmentMixin:
+    """Keeps the maximum of every (micro-batch, phase, position) segment of a MemTracker subclass.
+
+    Mixed into torch's ``MemTracker`` here and into its ``FSDPMemTracker`` in
+    :mod:`memwrap.memory.sharded.trace`; ``category_of`` maps the tracker's reference types to memwrap's
+    category names (``categories``, in report order). Call :meth:`init_segments` from ``__init__``.
+    """
+
+    categories: tuple[str, ...] = CATEGORIES
+    category_of: dict = _CAT
+
+    def init_segments(self, device: torch.device) -> None:
+        self.device = device
+        self.segments: dict[tuple, Segment] = {}
+        self.mb = 0
+        self.fw_pos = self.bw_pos = "pre"
+        self.stage = "forward"  # set by the driver: "forward", "backward", "optimizer"
+        self.ops = {"forward": 0, "backward": 0, "optimizer": 0}
+        self.flops = 0
+        from torch.utils.flop_counter import flop_registry
+
+        self._flop_registry = flop_registry
+        # The engine's in-place gradient accumulation, which the dispatch mode itself turns off (observer effect).
+        self.accumulation = InPlaceAccumulation()
+
+    def key(self) -> tuple:
+        if self._in_opt:
+            return (self.mb, "optimizer", "step")
+        if self.stage == "optimizer":
+            return (self.mb, "optimizer", "prepare")
+        if self._mod_tracker.is_bw or self.stage == "backward":
+            return (self.mb, "backward", self.bw_pos)
+        return (self.mb, "forward", self.fw_pos)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        func = self.accumulation.rewrite(func, args, kwargs)
+        res = super().__torch_dispatch__(func, types, args, kwargs)
+        self.accumulation.made(res)
+        # torch's own FLOP formulas (FlopCounterMode's registry); FlopCounterMode itself is not
+        # used because its module tracking keeps checkpoint-recomputed tensors alive.
+        count = self._flop_registry.get(func._overloadpacket)
+        if count is not None and res is not NotImplemented:
+            self.flops += int(count(*args, **(kwargs or {}), out_val=res))
+        return res
+
+    def current(self) -> tuple[int, dict[str, int], int]:
+        dev = dict.fromkeys(self.categories, 0)
+        host = 0
+        for device, snap in self._curr_mem_snap.items():
+            if device.type == HOST.type:
+                host += snap["Total"]
+            elif device.type == self.device.type:
+                for ref, value in snap.items():
+                    if ref in self.category_of:
+                        dev[self.category_of[ref]] += value
+        return sum(dev.values()), dev, host
+
+    def _update_peak_stats(self, peak_state) -> None:
+        # Replaces MemTracker's version, which walks every module on every op to keep per-module
+        # peaks that the planner does not use; segment maxima are kept instead.
+        key = self.key()
+        self.ops[key[1]] += 1
+        total, dev, host = self.current()
+        seg = self.segments.get(key)
+        if seg is None or total > seg.total:
+            parents = self._mod_tracker.parents
+            where = max(parents, key=lambda s: (s.count("."), len(s))) if parents else "Global"
+            self.segments[key] = Segment(total, dev, host, where)
+
+
+class _SegmentTracker(SegmentMixin, MemTracker):
+    """MemTracker that also keeps the maximum of every (micro-batch, phase, position) segment."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.init_segments(device)
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True):
+        # torch's MemTracker hooks every parameter's gradient, and register_hook refuses a frozen parameter
+        # (fine-tuning, LoRA, frozen embeddings). Frozen ones are marked as hooked already: they get no
+        # gradient to track anyway.
+        for param in module.parameters():
+            if not param.requires_grad and self._param_to_grad_hook_handles.get(param, None) is None:
+                self._param_to_grad_hook_handles[param] = _NO_HOOKS
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+
+def _first_grad_tensor(obj: Any) -> torch.Tensor | None:
+    for t in tree_flatten(obj)[0]:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return t
+    return None
+
+
+def _stack_hooks(model: nn.Module, stack: Stack | None, tracker: _SegmentTracker) -> list:
+    """Move the tracker's position marker across the block stack, in forward and in backward."""
+    if stack is None:
+        return []
+    blocks = list(model.get_submodule(stack.name).children())
+    if not blocks:
+        return []
+
+    def set_bw(value):
+        def hook(grad):
+            tracker.bw_pos = value
+        return hook
+
+    def enter(mod, args, kwargs):
+        if _is_bw():
+            return
+        tracker.fw_pos = "stack"
+        t = _first_grad_tensor((args, kwargs))
+        if t is not None:  # its gradient is complete once backward has left the stack
+            t.register_hook(set_bw("post"))
+
+    def leave(mod, args, kwargs, out):
+        if _is_bw():
+            return
+        tracker.fw_pos = "post"
+        t = _first_grad_tensor(out)
+        if t is not None:  # its gradient arrives when backward enters the stack
+            t.register_hook(set_bw("stack"))
+
+    return [blocks[0].register_forward_pre_hook(enter, with_kwargs=True),
+            blocks[-1].register_forward_hook(leave, with_kwargs=True)]
+
+
+class _FakeOffload(torch.autograd.graph.saved_tensors_hooks):
+    """Stand-in for ``save_on_cpu`` while tracing on a fake CPU device: parks saved tensors on
+    :data:`HOST` so they are reported as host memory rather than device memory."""
+
+    def __init__(self, pin_memory: bool = False, device_type: str = "cuda"):
+        def pack(tensor):
+            return tensor.device, tensor.to(HOST)
+
+        def unpack(packed):
+            device, tensor = packed
+            return tensor.to(device)
+
+        super().__init__(pack, unpack)
+
+
+@contextlib.contextmanager
+def _offload_to_host():
+    original = torch.autograd.graph.save_on_cpu
+    torch.autograd.graph.save_on_cpu = _FakeOffload
+    try:
+        yield
+    finally:
+        torch.autograd.graph.save_on_cpu = original
+
+
+def _top_modules(tracker: MemTracker, limit: int = 40) -> list[tuple[str, int]]:
+    from torch.distributed._tools.mem_tracker import _ModState
+
+    rows = []
+    for stats in tracker.memory_tracking.values():
+        pre, post = stats.snapshots.get(_ModState.PRE_FW), stats.snapshots.get(_ModState.POST_FW)
+        if not pre or not post:
+            continue
+        delta = sum(s.get(_MemRefType.ACT, 0) for s in post[0].values()) - \
+            sum(s.get(_MemRefType.ACT, 0) for s in pre[0].values())
+        prefix = "WrappedModule.module."
+        if delta > 0 and stats.mod_fqn.startswith(prefix):
+            rows.append((stats.mod_fqn[len(prefix):], delta))
+    rows.sort(key=lambda r: -r[1])
+    return rows[:limit]
+
+
+def run_trace(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Callable | None, options: dict[str, Any],
+              optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None, *, stack: Stack | None = None,
+              depth: int | None = None, device: str = "cpu", count_flops: bool = True) -> TraceResult:
+    """Trace one steady-state training step of a fake copy of ``model`` under ``memwrap.wrap(**options)``.
+
+    ``optimizer(fake_model)`` builds the inner optimizer (None: a stateless SGD stand-in, whose
+    state the caller adds from the plugin's ``state_bytes``). ``make_batch()`` is called under the
+    fake mode. Returns per-segment maxima, persistent state, FLOPs and ops per micro-batch.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import memwrap
+
+    start = time.perf_counter()
+    dev = torch.device(device)
+    loss_fn = loss_fn or default_loss
+    accumulate = int(options.get("accumulate", 1))
+    n_mb = 2 if accumulate > 1 else 1
+    # Micro-batches 2..N of a window are identical in memory, so a window of 2 stands for any N >= 2.
+    wrap_opts = {k: v for k, v in options.items() if k not in ("optim", "monitor", "count_items")}
+    wrap_opts["accumulate"] = n_mb
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fmodel = fake_model(model, mode, dev, stack, depth)
+    fmodel.train()
+    with mode, warnings.catch_warnings(), _offload_to_host():
+        warnings.simplefilter("ignore")
+        precision = _precision(options)
+        # The precision's storage dtype (bf16-true: bf16 weights, hence bf16 gradients and state) is applied before
+        # the optimizer exists and steps, as it is in training; wrap() below then finds nothing left to convert.
+        precision.convert_module(fmodel)
+        inner = optimizer(fmodel) if optimizer is not None else torch.optim.SGD(fmodel.parameters(), lr=0.0)
+        if optimizer is not None and precision.check_optimizer(inner):
+            # wrap() converts a fresh optimizer (e.g. AdamW -> optimi's Kahan-summed AdamW); the steady state is that
+            # optimizer's, so convert before its first step. The stand-in (state from a plugin) is never converted.
+            inner = precision.convert_optimizer(inner, fmodel, step_in_backward=bool(options.get("step_in_backward")))
+        params = [p for p in fmodel.parameters() if p.requires_grad]
+        if optimizer is not None:  # steady state: the optimizer's state exists before the step
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            inner.step()
+            inner.zero_grad(set_to_none=True)
+        wmodel, wopt = memwrap.wrap(fmodel, inner, **wrap_opts)
+        tracker = _SegmentTracker(dev)
+        if not count_flops:
+            tracker._flop_registry = {}
+        batches = [_to_fake(make_batch(), mode, dev) for _ in range(n_mb)]
+        tracker.track_external(fmodel, inner, *[t for b in batches for t in tree_flatten(b)[0] if isinstance(t, torch.Tensor)])
+        state = _state(tracker)
+        top = drive_step(tracker, fmodel, wmodel, wopt, batches, loss_fn, stack, _top_modules)
+        total_flops = tracker.flops
+    del batches, wmodel, wopt, inner, fmodel
+    ops = (tracker.ops["forward"] + tracker.ops["backward"]) // n_mb
+    return TraceResult(tracker.segments, state, total_flops // n_mb, ops, top, n_mb, depth,
+                       time.perf_counter() - start)
+
+
+def _precision(options: dict[str, Any]):
+    """The precision plugin instance ``wrap(**options)`` would use (its storage dtype and optimizer conversion)."""
+    from memwrap.precision.base import get_precision
+
+    comp = options.get("compensation")
+    return get_precision(options.get("precision") or "fp32", **({"compensation": comp} if comp is not None else {}))
+
+
+def drive_step(tracker: SegmentMixin, fmodel: nn.Module, wmodel: nn.Module, wopt: Any, batches: list, loss_fn: Callable,
+               stack: Stack | None, top_modules: Callable | None = None) -> list[tuple[str, int]]:
+    """Run the traced micro-batches (forward, loss, backward, step, zero_grad) under ``tracker``.
+
+    Returns ``top_modules(tracker)`` read after the first forward (``[]`` without it).
+    """
+    hooks = _stack_hooks(fmodel, stack, tracker)
+    top: list[tuple[str, int]] = []
+    try:
+        with tracker, _explain_data_dependence():
+            for mb, batch in enumerate(batches):
+                if mb:
+                    tracker.reset_mod_stats()  # MemTracker refuses a second root call otherwise
+                tracker.mb, tracker.fw_pos, tracker.bw_pos, tracker.stage = mb, "pre", "pre", "forward"
+                args, kwargs, targets = split_batch(batch)
+                outputs = wmodel(*args, **kwargs)
+                loss = loss_fn(outputs, targets)
+                del outputs, args, kwargs, targets
+                if mb == 0 and top_modules is not None:
+                    top = top_modules(tracker)
+                tracker.stage = "backward"
+                loss.backward()
+                del loss
+                tracker.stage = "optimizer"
+                wopt.step()
+                wopt.zero_grad()
+    finally:
+        for h in hooks:
+            h.remove()
+    return top
+
+
+@contextlib.contextmanager
+def _explain_data_dependence():
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    try:
+        yield
+    except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+        raise RuntimeError(
+            f"the training step reads tensor values ({exc}), which a fake-tensor trace cannot do: fake "
+            "tensors have shapes but no data. Fix: keep value-dependent Python (.item(), bool(tensor), "
+            "nonzero, data-dependent shapes) out of forward and loss_fn, or estimate with a loss_fn that "
+            "avoids it.") from exc
+
+
+def _to_fake(batch: Any, mode, device: torch.device) -> Any:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, FakeTensor) and t.device == device:
+            return t
+        # Only metadata matters; a batch on another device (CUDA) is traced on the fake device.
+        with mode:
+            return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+
+    return tree_map_only(torch.Tensor, convert, batch)
+
+
+def _state(tracker: _SegmentTracker) -> dict[str, int]:
+    _, dev, _ = tracker.current()
+    return {k: dev[k] for k in ("parameters", "buffers", "optimizer_state")}

@@ -1,0 +1,2 @@
+"""Built-in precision plugins, one small module per mode.
+"""
