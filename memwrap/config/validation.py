@@ -83,11 +83,14 @@ def check_wrap(objects: tuple[Any, ...], options: dict[str, Any]) -> WrapPlan:
 
         spec = get_optimizer_spec(opts.optim)  # an unknown name fails here, with its did-you-mean
         from memwrap.plugin.registry import option_hyperparameters
+        from memwrap.techniques.step_in_backward import check_updates_in_backward
 
         option_hyperparameters(opts)  # optim_args / optim_target_modules checked against it, before anything changes
-        _check_updates_in_backward(spec.name if spec.updates_in_backward else None, opts, precision, model)
+        check_updates_in_backward(spec.name if spec.updates_in_backward else None, opts, precision, model)
     elif optimizer is not None and getattr(optimizer, "updates_in_backward", False):
-        _check_updates_in_backward(type(optimizer).__name__, opts, precision, model)
+        from memwrap.techniques.step_in_backward import check_updates_in_backward
+
+        check_updates_in_backward(type(optimizer).__name__, opts, precision, model)
     device_type = _device_type(model, optimizer)
     precision.check(device_type)  # called from here: its warnings use stacklevel=4, the user's wrap() line
     checkpoint = _check_checkpointing(model, opts) if model is not None else None
@@ -98,36 +101,6 @@ def check_wrap(objects: tuple[Any, ...], options: dict[str, Any]) -> WrapPlan:
         loss_head = BoundLossHead(find_loss_head(model), None if opts.chunked_loss is True else opts.chunked_loss)
     return WrapPlan(opts, tuple(objects), model, optimizer, kinds["scheduler"], kinds["loader"], precision,
                     device_type, checkpoint, loss_head)
-
-
-def _check_updates_in_backward(name: str | None, opts: Any, precision: Any, model: nn.Module | None = None) -> None:
-    """An optimizer that updates inside backward (LOMO, layer-wise GaLore) leaves nothing to accumulate, clip or unscale,
-    and under DDP/FSDP2 it would update before the gradients are averaged across ranks."""
-    if name is None:
-        return
-    from memwrap.runtime.distributed import sync_control
-
-    if model is not None and sync_control(model) is not None:
-        # Measured (2 ranks, gloo): under DDP, LOMO's hooks update with each rank's own gradient before the all-reduce,
-        # and the ranks' weights drift apart (0.16 after one update); under FSDP2 its hooks sit on the sharded
-        # parameters, which autograd never reaches, so the update falls back to after backward and holds every
-        # gradient: the optimizer's whole point is lost.
-        raise ValueError(f"optimizer {name} updates each parameter inside backward(), but {type(model).__name__} "
-                         "(DDP/FSDP2) averages the gradients across ranks only after that: each rank would update "
-                         "with its own gradient (DDP) or the update would wait for the gradients anyway (FSDP2). Fix: "
-                         "an optimizer that steps after backward (e.g. optim='sgd' or 'adamw'; FSDP2 already shards "
-                         "gradients and state), or train on one device.")
-    refused = [text for text, on in (
-        (f"accumulate={opts.accumulate} (each micro-batch would update the weights)", opts.accumulate > 1),
-        (f"max_grad_norm={opts.max_grad_norm} (the global norm is known only after the updates)",
-         opts.max_grad_norm is not None),
-        (f"precision={opts.precision!r} (its loss scale would reach the updates unscaled)", precision.uses_scaler),
-        ("step_in_backward=True (it already steps in backward)", getattr(opts, "step_in_backward", False)),
-    ) if on]
-    if refused:
-        raise ValueError(f"optimizer {name} updates each parameter inside backward(), which rules out "
-                         f"{'; '.join(refused)}. Fix: drop those options (accumulate=1, no clipping, bf16 instead of "
-                         "fp16), or choose an optimizer that steps after backward (e.g. the non-layer-wise variant).")
 
 
 def checkpoint_target(model: nn.Module) -> nn.Module:

@@ -122,6 +122,41 @@ def check_step_in_backward(model: nn.Module | None, optimizer: torch.optim.Optim
             "gradient_release=True), or drop step_in_backward.")
 
 
+def check_updates_in_backward(name: str | None, opts: Any, precision: Any, model: nn.Module | None = None) -> None:
+    """Refuse what an optimizer that updates inside backward (LOMO, layer-wise GaLore; ``name``, or None for an
+    ordinary one) cannot do: it leaves nothing to accumulate, clip or unscale, and under DDP/FSDP2 it would update
+    before the gradients are averaged across ranks.
+
+    Example:
+        >>> check_updates_in_backward(None, opts, precision)  # an ordinary optimizer: nothing to refuse  # doctest: +SKIP
+    """
+    if name is None:
+        return
+    from memwrap.runtime.distributed import sync_control
+
+    if model is not None and sync_control(model) is not None:
+        # Measured (2 ranks, gloo): under DDP, LOMO's hooks update with each rank's own gradient before the all-reduce,
+        # and the ranks' weights drift apart (0.16 after one update); under FSDP2 its hooks sit on the sharded
+        # parameters, which autograd never reaches, so the update falls back to after backward and holds every
+        # gradient: the optimizer's whole point is lost.
+        raise ValueError(f"optimizer {name} updates each parameter inside backward(), but {type(model).__name__} "
+                         "(DDP/FSDP2) averages the gradients across ranks only after that: each rank would update "
+                         "with its own gradient (DDP) or the update would wait for the gradients anyway (FSDP2). Fix: "
+                         "an optimizer that steps after backward (e.g. optim='sgd' or 'adamw'; FSDP2 already shards "
+                         "gradients and state), or train on one device.")
+    refused = [text for text, on in (
+        (f"accumulate={opts.accumulate} (each micro-batch would update the weights)", opts.accumulate > 1),
+        (f"max_grad_norm={opts.max_grad_norm} (the global norm is known only after the updates)",
+         opts.max_grad_norm is not None),
+        (f"precision={opts.precision!r} (its loss scale would reach the updates unscaled)", precision.uses_scaler),
+        ("step_in_backward=True (it already steps in backward)", getattr(opts, "step_in_backward", False)),
+    ) if on]
+    if refused:
+        raise ValueError(f"optimizer {name} updates each parameter inside backward(), which rules out "
+                         f"{'; '.join(refused)}. Fix: drop those options (accumulate=1, no clipping, bf16 instead of "
+                         "fp16), or choose an optimizer that steps after backward (e.g. the non-layer-wise variant).")
+
+
 def _refuse_optimizer_wrapper(optimizer: torch.optim.Optimizer) -> None:
     """Refuse an optimizer that only wraps another (accelerate's AcceleratedOptimizer, ZeroRedundancyOptimizer, ...),
     naming the wrapped one: memwrap steps each parameter through the optimizer that computes the update, and a
