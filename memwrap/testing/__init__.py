@@ -5,7 +5,7 @@ The names below are re-exported from the modules that define them (``memwrap.tes
 """
 from __future__ import annotations
 
-from memwrap.testing import CHECKS, RegressionModel, check_optimizer, regression_batch
+from memwrap.testing.optimizer import CHECKS, RegressionModel, check_optimizer, regression_batch
 from memwrap.testing.precision import PRECISION_CHECKS, check_precision
 
 __all__ = [
