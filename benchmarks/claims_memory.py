@@ -50,7 +50,7 @@ def _tiny_step_bytes() -> dict:
     lm_loss(model(x), y).backward()
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
     opt.step()
-    from memwrap.plugin.registry import measure_state_bytes
+    from memwrap.plugin.state_size import measure_state_bytes
 
     state = measure_state_bytes(opt)
     lin = torch.nn.Linear(256, 256, bias=False).to(torch.bfloat16)
@@ -117,7 +117,7 @@ def params_100m(ctx):
 
 
 def optimizer_alternatives(ctx):
-    from memwrap.plugin.registry import predict_state_bytes
+    from memwrap.plugin.state_size import predict_state_bytes
 
     name = ctx.name("gpt2")
     with torch.device("meta"):

@@ -92,7 +92,7 @@ def check_bnb_8bit(s: Setup) -> dict:
         import bitsandbytes  # noqa: F401
     except ImportError as exc:
         return {"status": "skipped", "reason": f"bitsandbytes is not installed ({exc}); carry a wheel, see docs/gpu.md"}
-    from memwrap.plugin.registry import measure_state_bytes, predict_state_bytes
+    from memwrap.plugin.state_size import measure_state_bytes, predict_state_bytes
 
     model, opt = wrapped(s, optim="adamw_8bit", lr=1e-3)
     losses, step_s = train(model, opt, [s.batches(1, s.batch)[0]], s.updates, s)

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from memwrap.integrations.transformers.trainer import trainer_hyperparameters
 from memwrap.models import build_preset
-from memwrap.plugin.registry import create_optimizer, get_optimizer_spec, measure_state_bytes, predict_state_bytes
+from memwrap.plugin.registry import create_optimizer, get_optimizer_spec
+from memwrap.plugin.state_size import measure_state_bytes, predict_state_bytes
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 NAMES = (

@@ -23,7 +23,7 @@ import torch
 
 import memwrap
 from memwrap.models import build_preset
-from memwrap.plugin.registry import measure_state_bytes, predict_state_bytes
+from memwrap.plugin.state_size import measure_state_bytes, predict_state_bytes
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 VARIANTS = {  # label -> (registered name, hyperparameters)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+from typing import Any
 
 
 def closest_hint(value: object, choices: Iterable[str]) -> str:
@@ -38,3 +39,23 @@ def require_name(value: object, what: str, usage: str, example: str) -> None:
     name = items[0] if len(items) == 1 and isinstance(items[0], str) else example
     raise TypeError(f"{what} must be a single name (a str), got {value!r} ({type(value).__name__}). "
                     f"Fix: {usage.format(repr(name))}.")
+
+
+def refuse_unwrapped(wrapper: Any, call: str) -> None:
+    """Raise: ``wrapper`` was passed to :func:`unwrap`, so it would train without what ``wrap()`` set up.
+
+    Example:
+        >>> import memwrap, torch
+        >>> model = memwrap.wrap(torch.nn.Linear(2, 2), precision="tf32"); _ = memwrap.unwrap(model)
+        >>> model(torch.ones(1, 2))
+        Traceback (most recent call last):
+        ...
+        RuntimeError: forward on a WrappedModule that memwrap.unwrap() was called on: ...
+    """
+    kind = "model" if hasattr(wrapper, "module") else "optimizer"  # a WrappedModule or a WrappedOptimizer
+    inner = type(wrapper.module if kind == "model" else wrapper.optimizer).__name__
+    undone = wrapper.__dict__.get("_unwrapped")
+    raise RuntimeError(
+        f"{call} on a {type(wrapper).__name__} that memwrap.unwrap() was called on: unwrap() undid what wrap() set up "
+        f"({undone}), so this wrapper would go on training without it. Fix: use the {inner} that unwrap() returned "
+        f"(your own {kind}), or wrap it again: model, optimizer = memwrap.wrap(model, optimizer, ...).")

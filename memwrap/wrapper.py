@@ -16,12 +16,15 @@ from typing import Any
 
 import torch
 
-from memwrap.runtime.gate import AccumulationGate, WrappedLoader
+from memwrap.runtime.gate import AccumulationGate
+from memwrap.runtime.loader import WrappedLoader
 from memwrap.runtime.distributed import item_reducer, sync_control
 from memwrap.precision.loss_scale import configure_scaler
 from memwrap.runtime.module import WrappedModule
-from memwrap.runtime.optimizer import WrappedOptimizer, WrappedScheduler, check_sparse_clipping
+from memwrap.runtime.optimizer import WrappedOptimizer, check_sparse_clipping
+from memwrap.runtime.scheduler import WrappedScheduler
 from memwrap.precision.base import Precision
+from memwrap.errors import refuse_unwrapped  # re-exported: it was defined here
 from memwrap.config.validation import WrapPlan, check_wrap, checkpoint_target
 
 __all__ = ["wrap", "unwrap", "backward", "refuse_unwrapped"]
@@ -159,26 +162,6 @@ def backward(loss: torch.Tensor, model: WrappedModule, **kwargs: Any) -> None:
     if model.__dict__.get("_unwrapped"):
         refuse_unwrapped(model, "memwrap.backward")
     model.backward(loss, **kwargs)
-
-
-def refuse_unwrapped(wrapper: Any, call: str) -> None:
-    """Raise: ``wrapper`` was passed to :func:`unwrap`, so it would train without what ``wrap()`` set up.
-
-    Example:
-        >>> import memwrap, torch
-        >>> model = memwrap.wrap(torch.nn.Linear(2, 2), precision="tf32"); _ = memwrap.unwrap(model)
-        >>> model(torch.ones(1, 2))
-        Traceback (most recent call last):
-        ...
-        RuntimeError: forward on a WrappedModule that memwrap.unwrap() was called on: ...
-    """
-    kind = "model" if isinstance(wrapper, WrappedModule) else "optimizer"
-    inner = type(wrapper.module if kind == "model" else wrapper.optimizer).__name__
-    undone = wrapper.__dict__.get("_unwrapped")
-    raise RuntimeError(
-        f"{call} on a {type(wrapper).__name__} that memwrap.unwrap() was called on: unwrap() undid what wrap() set up "
-        f"({undone}), so this wrapper would go on training without it. Fix: use the {inner} that unwrap() returned "
-        f"(your own {kind}), or wrap it again: model, optimizer = memwrap.wrap(model, optimizer, ...).")
 
 
 # --- pieces ---------------------------------------------------------------------------

@@ -7,7 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import memwrap
-from memwrap.runtime.gate import AccumulationGate, WrappedLoader
+from memwrap.runtime.gate import AccumulationGate
+from memwrap.runtime.loader import WrappedLoader
 from tests.conftest import max_rel_err
 
 

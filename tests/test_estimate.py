@@ -18,7 +18,8 @@ from memwrap.memory.tracing.trace import find_stack
 from memwrap.memory.measure import measure_peak
 from memwrap.runtime.module import WrappedModule
 from memwrap.models import GPT, GPTConfig, build_preset, lm_loss, preset_batch
-from memwrap.plugin.registry import create_optimizer, measure_state_bytes, predict_state_bytes
+from memwrap.plugin.registry import create_optimizer
+from memwrap.plugin.state_size import measure_state_bytes, predict_state_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

@@ -15,7 +15,8 @@ from memwrap.memory import measure_peak
 from memwrap.memory.search.planner import plan
 from memwrap.models import Llama, LlamaConfig, build_preset, get_preset, preset_batch
 from memwrap.precision.base import Precision
-from memwrap.plugin.registry import OptimizerSpec, get_optimizer_spec, predict_state_bytes
+from memwrap.plugin.registry import OptimizerSpec, get_optimizer_spec
+from memwrap.plugin.state_size import predict_state_bytes
 from plugin_registration import registered
 
 pytestmark = pytest.mark.filterwarnings("ignore")

@@ -12,9 +12,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import memwrap
-from memwrap.plugin.registry import (ConversionWarning, OptimizerUnavailableError, UnknownOptimizerError, convert_optimizer,
-                              create_optimizer, get_optimizer_spec, measure_state_bytes, optimizers,
-                              predict_state_bytes)
+from memwrap.plugin.registry import ConversionWarning, OptimizerUnavailableError, UnknownOptimizerError, convert_optimizer, create_optimizer, get_optimizer_spec, optimizers
+from memwrap.plugin.state_size import measure_state_bytes, predict_state_bytes
 from memwrap.testing import check_optimizer
 
 try:  # only the 8-bit tests need it; the torch optimizers and the missing-package error are tested without it

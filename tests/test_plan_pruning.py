@@ -298,7 +298,7 @@ def test_derived_optimizer_state_under_fsdp2_is_the_ranks_share():
     # the rank's shards. Measured before: a 70B plan on 8 ranks charged each rank the whole model's 4-bit AdamW state
     # (68.25 GiB, 8x its share).
     pytest.importorskip("grokadamw")
-    from memwrap.plugin.registry import predict_state_bytes
+    from memwrap.plugin.state_size import predict_state_bytes
 
     model = _model()
     full = predict_state_bytes("grokadamw", model)
@@ -317,7 +317,8 @@ def test_derived_optimizer_state_follows_the_precisions_storage_dtype(optim):
     # parameters as stored. Measured before: GrokAdamW's state was predicted in fp32, twice what the step allocates.
     import warnings
 
-    from memwrap.plugin.registry import create_optimizer, get_optimizer_spec, measure_state_bytes
+    from memwrap.plugin.registry import create_optimizer, get_optimizer_spec
+    from memwrap.plugin.state_size import measure_state_bytes
 
     spec = get_optimizer_spec(optim)
     if not spec.available()[0]:

@@ -384,7 +384,7 @@ def test_spec_whose_state_bytes_or_available_raises_is_listed_unavailable_with_t
         with pytest.raises(memwrap.plugin.registry.OptimizerUnavailableError, match="availability probe exploded"):
             create_optimizer("bad_avail", [torch.zeros(1, requires_grad=True)])
         with pytest.raises(plugins.PluginError, match=r"'bytesbug'.*'bytes-dist'.*bad_bytes.state_bytes"):
-            memwrap.plugin.registry.predict_state_bytes("bad_bytes", torch.nn.Linear(2, 2))
+            memwrap.plugin.state_size.predict_state_bytes("bad_bytes", torch.nn.Linear(2, 2))
     assert type(create_optimizer("adamw", [torch.zeros(1, requires_grad=True)])) is torch.optim.AdamW
 
 

@@ -38,7 +38,7 @@ class Options:
     step_in_backward: bool = False  # each parameter steps as soon as its gradient is final (memwrap.techniques.step_in_backward)
     chunked_loss: bool | int = False  # a model's loss from labels without whole logits; int: tokens per chunk (memwrap.techniques.loss_head)
     budget: int | None = None  # bytes one device may use: micro-batch and unset options planned per batch (memwrap.techniques.budget.plan)
-    margin: Any = None  # room kept free beyond the predicted peak under budget= (memwrap.memory.search.planner.Margin.parse)
+    margin: Any = None  # room kept free beyond the predicted peak under budget= (memwrap.memory.margin.Margin.parse)
     budget_may_change: tuple[str, ...] = ()  # options budget= may choose besides checkpointing: "precision", "optim"
     # Settings of the optim= optimizer your optimizer has no counterpart for, under Trainer's names: GaLore/APOLLO's
     # target nn.Linear layers, and optim_args ("rank=64,scale=0.25" or a dict) parsed as Trainer parses them.
@@ -189,7 +189,7 @@ def _validate_budget(values: dict[str, Any]) -> None:
 
         values["budget"] = parse_budget(values["budget"], what="budget")
     if values.get("margin") is not None:
-        from memwrap.memory.search.planner import Margin
+        from memwrap.memory.margin import Margin
 
         Margin.parse(values["margin"])
     may = values.get("budget_may_change") or ()

@@ -16,10 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from memwrap.runtime.gate import WrappedLoader
+from memwrap.runtime.loader import WrappedLoader
 from memwrap.config.options import Options, parse_options
 from memwrap.runtime.module import WrappedModule
-from memwrap.runtime.optimizer import WrappedOptimizer, WrappedScheduler, check_params_in_model
+from memwrap.runtime.optimizer import WrappedOptimizer, check_params_in_model
+from memwrap.runtime.scheduler import WrappedScheduler
 from memwrap.precision.base import Precision, get_precision
 
 __all__ = ["WrapPlan", "check_wrap", "checkpoint_target"]

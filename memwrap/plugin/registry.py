@@ -26,14 +26,11 @@ from memwrap.errors import closest_hint, require_name
 from memwrap.plugin.name_index import PluginCache, conflict_message, index_names
 from memwrap.plugin.calls import FieldRule, call_hook, guard_fields
 from memwrap.plugin.manager import PluginContractError, PluginError, plugin_errors
-# Sizes of optimizer state (predicted from a spec, measured on an optimizer) live in memwrap.plugin.state_size and stay
-# importable from here.
-from memwrap.plugin.state_size import measure_state_bytes, predict_state_bytes, scalar_step_bytes
 
 __all__ = [
     "OptimizerSpec", "OptimizerRow", "OptimizerUnavailableError", "OptimizerConflictError",
     "UnknownOptimizerError", "ConversionWarning", "get_optimizer_spec", "create_optimizer",
-    "optimizers", "convert_optimizer", "conversion_hyperparameters", "predict_state_bytes", "measure_state_bytes", "scalar_step_bytes", "spec_plugin",
+    "optimizers", "convert_optimizer", "conversion_hyperparameters", "spec_plugin",
 ]
 
 # Where an optimizer's state can live (OptimizerSpec.state_location), for the planner's memory categories.

@@ -1,8 +1,8 @@
 """Sizes of optimizer state: predicted from an optimizer's spec without running it, measured on a real optimizer.
 
 ``predict_state_bytes`` is what the planner adds for optimizers that cannot run on fake tensors; ``measure_state_bytes``
-checks it (tests, benchmarks, :func:`memwrap.testing.optimizer.check_optimizer`). Both are importable from
-:mod:`memwrap.plugin.registry` as well.
+checks it (tests, benchmarks, :func:`memwrap.testing.check_optimizer`). This module sits above the registry, whose
+specs it reads.
 
 Example:
     >>> predict_state_bytes("adamw", torch.nn.Linear(1000, 1000, bias=False))
@@ -14,6 +14,8 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
+
+from memwrap.plugin.registry import get_optimizer_spec
 
 __all__ = ["predict_state_bytes", "measure_state_bytes", "scalar_step_bytes"]
 
@@ -61,8 +63,6 @@ def predict_state_bytes(name: str, model_or_params, *, world_size: int = 1, dtyp
         >>> predict_state_bytes("adamw", torch.nn.Linear(1000, 1000, bias=False), world_size=4)
         2000004
     """
-    from memwrap.plugin.registry import get_optimizer_spec  # the registry imports this module
-
     spec = get_optimizer_spec(name)
     pairs = [(_as_held(p, world_size, dtype), m) for p, m in _param_modules(model_or_params) if p.requires_grad]
     hp = {**spec.defaults, **hyperparameters}

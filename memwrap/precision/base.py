@@ -34,6 +34,7 @@ from torch import nn
 
 from memwrap.errors import closest_hint
 from memwrap.plugin.name_index import PluginCache, conflict_message, index_names
+from memwrap.runtime.outputs import map_outputs
 
 __all__ = [
     "Precision", "AutocastPrecision", "PrecisionRow", "PrecisionConflictError", "UnknownPrecisionError",
@@ -177,8 +178,6 @@ def cast_floating(data: Any, dtype: torch.dtype) -> Any:
     """
     if not any(_castable(t, dtype) for t in _tensors(data)):
         return data
-    from memwrap.runtime.module import map_outputs  # memwrap.runtime.module imports this module
-
     return map_outputs(data, lambda t: t.to(dtype) if _castable(t, dtype) else t)
 
 

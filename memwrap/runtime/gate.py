@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["AccumulationGate", "WrappedLoader"]
+__all__ = ["AccumulationGate"]
 
 
 class AccumulationGate:
@@ -166,6 +166,3 @@ class AccumulationGate:
         self.windows = state["windows"]
         self._planned = None if state["planned"] is None else list(state["planned"])
 
-
-# The loader plans the gate's windows; it lives in its own module and is importable from here as before.
-from memwrap.runtime.loader import WrappedLoader  # noqa: E402

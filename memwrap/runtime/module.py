@@ -11,8 +11,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import inspect
 import types
 import warnings
@@ -24,8 +22,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from memwrap.runtime.gate import AccumulationGate
+from memwrap.errors import refuse_unwrapped
 from memwrap.precision.base import Precision
+from memwrap.runtime.gate import AccumulationGate
+from memwrap.runtime.outputs import map_outputs
 
 __all__ = ["WrappedModule", "map_outputs"]
 
@@ -258,8 +258,6 @@ class WrappedModule(nn.Module):
             False
         """
         if self.__dict__.get("_unwrapped"):  # memwrap.unwrap(model) undid what wrap() set up
-            from memwrap.wrapper import refuse_unwrapped
-
             refuse_unwrapped(self, "zero_grad()")
         if self._gate.micro_step == 0:
             super().zero_grad(set_to_none)
@@ -400,56 +398,6 @@ class _GradScale:
         if isinstance(factor, torch.Tensor) and factor.device != grad.device:
             factor = factor.to(grad.device, non_blocking=True)
         return grad / factor if self.inverse else grad * factor
-
-
-def map_outputs(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Apply ``fn`` to every tensor nested in tuples, lists, dicts, namedtuples and dataclass-like outputs.
-
-    Example:
-        >>> map_outputs({"a": (torch.ones(1),)}, lambda t: t * 2)
-        {'a': (tensor([2.]),)}
-    """
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        items = {k: map_outputs(v, fn) for k, v in obj.items()}
-        if type(obj) is dict:
-            return items
-        if dataclasses.is_dataclass(obj):  # e.g. Hugging Face ModelOutput: a dict and a dataclass
-            return _rebuild_dict_dataclass(obj, items, fn)
-        try:
-            return type(obj)(items)
-        except TypeError:
-            obj.update(items)
-            return obj
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        # A shallow copy keeps every attribute; then each field gets its mapped value, init=False fields (set in
-        # forward or __post_init__) included. dataclasses.replace would re-run __init__ with the init fields only
-        # and leave the others at their defaults (None): a lost output, and a tensor without its weighting hook.
-        new = copy.copy(obj)
-        for f in dataclasses.fields(obj):
-            if hasattr(obj, f.name):  # an init=False field without default may never have been set
-                object.__setattr__(new, f.name, map_outputs(getattr(obj, f.name), fn))  # frozen ones too
-        return new
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(map_outputs(v, fn) for v in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(map_outputs(v, fn) for v in obj)
-    return obj
-
-
-def _rebuild_dict_dataclass(obj: Any, items: dict, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """A dict that is a dataclass (``ModelOutput``), rebuilt with every entry and field it held, mapped."""
-    init = {f.name for f in dataclasses.fields(obj) if f.init}
-    new = type(obj)(**{k: v for k, v in items.items() if k in init})
-    for k, v in items.items():
-        if k not in init:  # an init=False field that is also a key
-            new[k] = v
-    # Fields set as attributes only (ModelOutput keeps a field assigned after construction out of its keys).
-    for f in dataclasses.fields(obj):
-        if f.name not in items and getattr(obj, f.name, None) is not None:
-            setattr(new, f.name, map_outputs(getattr(obj, f.name), fn))
-    return new
 
 
 def _strip_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> dict:

@@ -14,13 +14,13 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from memwrap.runtime.gate import AccumulationGate
+from memwrap.errors import refuse_unwrapped
 from memwrap.precision.loss_scale import SCALE_FLOOR
-from memwrap.runtime.scheduler import WrappedScheduler  # re-exported: it belongs with the optimizer it follows
+from memwrap.runtime.gate import AccumulationGate
 from memwrap.state.checks import check_optimizer_state, class_name
 from memwrap.runtime.window_loss import WindowLoss
 
-__all__ = ["WrappedOptimizer", "WrappedScheduler", "check_params_in_model", "check_sparse_clipping"]
+__all__ = ["WrappedOptimizer", "check_params_in_model", "check_sparse_clipping"]
 
 
 def check_params_in_model(model: torch.nn.Module, params: list[torch.Tensor]) -> None:
@@ -426,8 +426,6 @@ class WrappedOptimizer(torch.optim.Optimizer):
 
     def _refuse_if_unwrapped(self, call: str) -> None:
         if self.__dict__.get("_unwrapped"):  # memwrap.unwrap(optimizer) undid what wrap() set up
-            from memwrap.wrapper import refuse_unwrapped
-
             refuse_unwrapped(self, call)
 
     # --- resume -----------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from memwrap.runtime.gate import WrappedLoader
+from memwrap.runtime.loader import WrappedLoader
 from memwrap.runtime.scheduler import WrappedScheduler
 from memwrap.state.rng import check_rng, capture_rng, loader_generators, restore_rng
 from memwrap.state.checks import check_optimizer_state, check_plain_optimizer_state, check_scheduler_state, class_name

@@ -186,7 +186,7 @@ def _check_state_dict(name, spec, device, steps, seed, fresh, hp):
 
 
 def _check_state_bytes(name, spec, device, steps, seed, fresh, hp):
-    from memwrap.plugin.registry import measure_state_bytes, predict_state_bytes
+    from memwrap.plugin.state_size import measure_state_bytes, predict_state_bytes
 
     model = fresh()
     predicted = predict_state_bytes(name, model, **hp)
@@ -204,7 +204,7 @@ def _check_fake(name, spec, device, steps, seed, fresh, hp):
         return
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memwrap.plugin.registry import predict_state_bytes
+    from memwrap.plugin.state_size import predict_state_bytes
 
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):

@@ -28,7 +28,8 @@ import math
 import torch
 
 from memwrap.plugin.manager import hookimpl
-from memwrap.plugin.registry import OptimizerSpec, scalar_step_bytes
+from memwrap.plugin.registry import OptimizerSpec
+from memwrap.plugin.state_size import scalar_step_bytes
 
 from ._common import import_backend, module_available, typed_optim_args
 

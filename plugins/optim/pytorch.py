@@ -23,7 +23,8 @@ import torch
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from memwrap.plugin.manager import hookimpl
-from memwrap.plugin.registry import OptimizerSpec, OptimizerUnavailableError, scalar_step_bytes
+from memwrap.plugin.registry import OptimizerSpec, OptimizerUnavailableError
+from memwrap.plugin.state_size import scalar_step_bytes
 
 from ._common import adam_kwargs, module_available, strtobool, typed_optim_args
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from memwrap.memory.search.ranking import rank
 from memwrap.precision.base import get_precision_class
 
 __all__ = ["layouts", "plan_layouts", "layout_summary", "sharding_verdict", "sharded_code", "refused_specs",
@@ -68,8 +69,6 @@ def layouts(world_size: Any, strategy: Any, global_batch: int,
 def plan_layouts(plan_fn: Callable, shardings: list[tuple[int, str | None]], model: Any, make_batch: Callable,
                  **kwargs: Any):
     """One plan per layout, merged: candidates that fit first, fewest GPUs first, then as ``rank`` orders them."""
-    from memwrap.memory.search.planner import Plan, rank
-
     plans = []
     for w, s in shardings:
         try:
@@ -86,7 +85,8 @@ def plan_layouts(plan_fn: Callable, shardings: list[tuple[int, str | None]], mod
     ranked = fewest_gpus_first(rank(cands, first.budget, first.margin, keep_optim=first.keep_optim,
                                     keep_precision=first.keep_precision))
     skipped = [x for p in real for x in p.skipped]
-    return Plan(ranked, first.budget, first.global_batch, first.margin, sum(p.seconds for p in real), skipped,
+    # type(first): the planner's Plan, taken from the plans it made (the planner imports this module)
+    return type(first)(ranked, first.budget, first.global_batch, first.margin, sum(p.seconds for p in real), skipped,
                 first.keep_optim, next((p.keep_note for p in real if p.keep_note), ""), first.keep_precision)
 
 

@@ -235,7 +235,8 @@ def derive(trace: Trace, optimizer: str, model: nn.Module, *, force: bool = Fals
     """
     if trace.optimizer == optimizer:
         return trace
-    from memwrap.plugin.registry import get_optimizer_spec, predict_state_bytes
+    from memwrap.plugin.registry import get_optimizer_spec
+    from memwrap.plugin.state_size import predict_state_bytes
 
     spec = get_optimizer_spec(optimizer)
     if spec.runs_on_fake and not force:
