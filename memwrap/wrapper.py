@@ -21,7 +21,7 @@ from memwrap.runtime.loader import WrappedLoader
 from memwrap.runtime.distributed import item_reducer, sync_control
 from memwrap.precision.loss_scale import configure_scaler
 from memwrap.runtime.module import WrappedModule
-from memwrap.runtime.optimizer import WrappedOptimizer, check_sparse_clipping
+from memwrap.runtime.optimizer import WrappedOptimizer
 from memwrap.runtime.scheduler import WrappedScheduler
 from memwrap.precision.base import Precision
 from memwrap.errors import refuse_unwrapped  # re-exported: it was defined here
@@ -54,12 +54,7 @@ def wrap(*objects: Any, **options: Any) -> Any:
         >>> optimizer.updates
         2
     """
-    plan = check_wrap(objects, options)
-    check_sparse_clipping(plan.model, plan.opts.max_grad_norm)
-    if plan.opts.budget is not None or options.get("margin") is not None or options.get("budget_may_change"):
-        from memwrap.techniques.budget.plan import check_budget_options
-
-        check_budget_options(plan.opts, options, plan.model, plan.optimizer, plan.loaders)
+    plan = check_wrap(objects, options)  # every check of the options and objects; it changes nothing
     gate = AccumulationGate(plan.opts.accumulate)
     scaler = plan.precision.make_scaler(plan.device_type)
     configure_scaler(scaler, plan.opts.scaler)  # validated in parse_options; cannot fail here

@@ -64,7 +64,7 @@ def test_adamw_becomes_kahan_summed_optimi_with_its_hyperparameters_and_everythi
 def test_conversion_keeps_the_maths(make, target):
     # The converted optimizer, on fp32 weights (where Kahan summation is off), follows the source optimizer:
     # proof that every hyperparameter was carried with its meaning.
-    from memwrap_plugins.precision.bf16_true import _build
+    from memwrap_plugins.precision.true_bf16 import _build
 
     ref, conv = net(), net()
     source = make(ref.parameters())

@@ -1,4 +1,5 @@
-"""Public names never share their name with a submodule (issue 11, item 1).
+"""The package's layout: public names never share their name with a submodule (issue 11, item 1); the import graph
+has no circle, no folder holds a ``<concern>_<part>.py`` prefix family, and every package is in the wheel (issue 19).
 
 Importing a submodule binds it as an attribute of its package, so a public function named like a
 submodule (``memwrap.wrap`` next to ``memwrap/wrap.py``) turns into a module as soon as anything
@@ -7,17 +8,24 @@ the subprocess test replays the reported sequence and every first-access order.
 """
 from __future__ import annotations
 
+import ast
+import collections
 import importlib
+import pathlib
 import pkgutil
 import subprocess
 import sys
+import tomllib
 import types
 
 import pytest
 
 import memwrap
 
-PACKAGES = ["memwrap", "memwrap.memory", "memwrap.models", "memwrap.integrations"]
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = sorted(info.name for info in pkgutil.walk_packages(memwrap.__path__, "memwrap.") if info.ispkg) + ["memwrap"]
+# Old import paths kept as thin re-exports (docs/changelog.md); they are not part of the layering.
+SHIMS = {"memwrap.registry", "memwrap.plugins", "memwrap.hookspecs"}
 
 
 def _public(package: types.ModuleType) -> list[str]:
@@ -58,5 +66,114 @@ def test_first_access_order_keeps_wrap_callable(first):
         "m = memwrap.wrap(torch.nn.Linear(2, 2))\n"
         "assert memwrap.unwrap(m) is not m\n"
     )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+# --- the import graph (issue 19) ---------------------------------------------------------------------------------
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for folder, package in ((ROOT / "memwrap", "memwrap"), (ROOT / "plugins", "memwrap_plugins")):
+        for path in folder.rglob("*.py"):
+            parts = [package, *path.relative_to(folder).with_suffix("").parts]
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Every memwrap import, at module level or inside a function (those count too: a lazy import that closes a
+    circle is still a circle), except under ``if TYPE_CHECKING:``."""
+    mods = _modules()
+
+    def resolve(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = collections.defaultdict(set)
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+        def walk(node: ast.AST) -> None:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
+                return
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            for target in filter(None, map(resolve, targets)):
+                if target != name:
+                    graph[name].add(target)
+            for child in ast.iter_child_nodes(node):
+                walk(child)
+
+        walk(ast.parse(path.read_text()))
+    return graph
+
+
+def test_the_import_graph_has_no_circle():
+    graph = _import_graph()
+    state: dict[str, int] = {}
+    circles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                circles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(_modules()):
+        if node not in state:
+            visit(node, [node])
+    assert not circles, "import circles (move the shared piece below both):\n" + "\n".join(circles)
+
+
+def test_no_folder_holds_a_prefix_family():
+    # `budget_plan.py` next to `budget_apply.py` (or next to `budget.py`) is a folder wanting to exist.
+    families = []
+    for folder in {p.parent for p in _modules().values()}:
+        names = [p.stem for p in folder.iterdir() if (p.suffix == ".py" or (p / "__init__.py").exists())
+                 and p.stem != "__init__" and not p.stem.startswith("_")]
+        heads = collections.Counter(n.split("_")[0] for n in names if "_" in n)
+        for name in names:
+            head = name.split("_")[0]
+            if "_" in name and (heads[head] > 1 or head in names):
+                families.append(f"{folder.relative_to(ROOT)}/{name}")
+    assert not families, f"prefix families (make a folder): {sorted(families)}"
+
+
+def test_every_package_is_listed_for_the_wheel():
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {name for name, path in _modules().items() if path.name == "__init__.py"}
+    assert found == listed, f"pyproject.toml [tool.setuptools] packages: missing {sorted(found - listed)}, stale {sorted(listed - found)}"
+
+
+def test_the_old_import_paths_still_work():
+    from memwrap.hookspecs import memwrap_optimizers
+    from memwrap.plugins import hookimpl
+    from memwrap.registry import OptimizerSpec, predict_state_bytes
+
+    assert hookimpl is memwrap.hookimpl and OptimizerSpec is memwrap.OptimizerSpec
+    assert callable(predict_state_bytes) and callable(memwrap_optimizers)
+    for shim in SHIMS:
+        assert not _import_graph()[shim] - {"memwrap.plugin.registry", "memwrap.plugin.state_size",
+                                            "memwrap.plugin.manager", "memwrap.plugin.hookspecs"}, shim
+
+
+def test_import_memwrap_imports_no_optional_dependency():
+    code = ("import sys, memwrap, memwrap.wrapper, memwrap.memory, memwrap.integrations.lightning, "
+            "memwrap.integrations.transformers\n"
+            "bad = [m for m in ('transformers', 'accelerate', 'lightning', 'pytorch_lightning', 'bitsandbytes', 'torchao',"
+            " 'optimi', 'galore_torch', 'apollo_torch', 'lomo_optim', 'schedulefree', 'grokadamw', 'matplotlib', 'rich')"
+            " if m in sys.modules]\n"
+            "assert not bad, bad\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -13,7 +13,7 @@ from typing import Any
 from memwrap.errors import closest_hint, require_name
 from memwrap.precision.base import get_precision_class
 
-__all__ = ["Options", "parse_options", "options_from", "HF_ALIASES"]
+__all__ = ["Options", "parse_options", "options_from", "given_names", "HF_ALIASES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +57,19 @@ OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))
 HF_ALIASES = ("gradient_accumulation_steps", "fp16", "bf16", "tf32", "gradient_checkpointing",
               "activation_checkpointing", "optim", "max_grad_norm")  # transformers 5 renamed gradient_checkpointing
 ON_NONFINITE = ("skip", "raise")
+# The option each Hugging Face name sets (max_grad_norm and optim are spelled the same in both).
+ALIAS_TARGETS = {"gradient_accumulation_steps": "accumulate", "fp16": "precision", "bf16": "precision",
+                 "tf32": "precision", "gradient_checkpointing": "checkpoint", "activation_checkpointing": "checkpoint"}
+
+
+def given_names(raw: dict[str, Any]) -> set[str]:
+    """The options a ``wrap()`` call set, under memwrap's names (a Hugging Face flag set to False sets nothing).
+
+    Example:
+        >>> sorted(given_names({"gradient_accumulation_steps": 4, "bf16": True, "fp16": False, "budget": "8GiB"}))
+        ['accumulate', 'budget', 'precision']
+    """
+    return {ALIAS_TARGETS.get(k, k) for k, v in raw.items() if k not in ALIAS_TARGETS or v}
 
 
 def parse_options(**raw: Any) -> Options:

@@ -19,7 +19,7 @@ from torch import nn
 from memwrap.runtime.loader import WrappedLoader
 from memwrap.config.options import Options, parse_options
 from memwrap.runtime.module import WrappedModule
-from memwrap.runtime.optimizer import WrappedOptimizer, check_params_in_model
+from memwrap.runtime.optimizer import WrappedOptimizer, check_params_in_model, check_sparse_clipping
 from memwrap.runtime.scheduler import WrappedScheduler
 from memwrap.precision.base import Precision, get_precision
 
@@ -31,9 +31,9 @@ _SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.Re
 _USER = 4
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class WrapPlan:
-    """A checked ``wrap()`` call: what to wrap and how. Building it changed nothing.
+    """A checked ``wrap()`` call: what to wrap and how, frozen. Building it changed nothing.
 
     ``checkpoint`` holds :func:`~memwrap.checkpointing.apply.apply_checkpointing` arguments, or None
     when ``wrap()`` leaves the model's checkpointing as it is.
@@ -43,8 +43,8 @@ class WrapPlan:
     objects: tuple[Any, ...]
     model: nn.Module | None
     optimizer: torch.optim.Optimizer | None
-    schedulers: list[Any]
-    loaders: list[Any]
+    schedulers: tuple[Any, ...]
+    loaders: tuple[Any, ...]
     precision: Precision
     device_type: str
     checkpoint: dict[str, Any] | None
@@ -100,7 +100,12 @@ def check_wrap(objects: tuple[Any, ...], options: dict[str, Any]) -> WrapPlan:
         from memwrap.techniques.loss_head import BoundLossHead, find_loss_head
 
         loss_head = BoundLossHead(find_loss_head(model), None if opts.chunked_loss is True else opts.chunked_loss)
-    return WrapPlan(opts, tuple(objects), model, optimizer, kinds["scheduler"], kinds["loader"], precision,
+    check_sparse_clipping(model, opts.max_grad_norm)  # torch's clip_grad_norm_ has no sparse kernel
+    if opts.budget is not None or options.get("margin") is not None or options.get("budget_may_change"):
+        from memwrap.techniques.budget.checks import check_budget_options  # import cost: it pulls in the planner
+
+        check_budget_options(opts, options, model, optimizer, kinds["loader"])
+    return WrapPlan(opts, tuple(objects), model, optimizer, tuple(kinds["scheduler"]), tuple(kinds["loader"]), precision,
                     device_type, checkpoint, loss_head)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from memwrap.config.options import given_names
 from memwrap.memory.budget import format_bytes
 
 __all__ = ["check_budget_options", "user_set", "optimizer_name"]
@@ -44,17 +45,8 @@ def check_budget_options(opts: Any, raw: dict[str, Any], model: Any, optimizer: 
 
 
 def user_set(raw: dict[str, Any]) -> set[str]:
-    """The wrap() options the user gave (memwrap names; Hugging Face aliases mapped to them)."""
-    aliases = {"gradient_accumulation_steps": "accumulate", "fp16": "precision", "bf16": "precision",
-               "tf32": "precision", "gradient_checkpointing": "checkpoint", "activation_checkpointing": "checkpoint"}
-    out = set()
-    for k, v in raw.items():
-        if k in aliases:
-            if v:
-                out.add(aliases[k])
-        else:
-            out.add(k)
-    return out
+    """The wrap() options the user gave (memwrap names; Hugging Face aliases mapped to them by the options' own table)."""
+    return given_names(raw)
 
 
 def optimizer_name(optimizer: torch.optim.Optimizer, opts: Any) -> str:
