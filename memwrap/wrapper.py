@@ -3,10 +3,11 @@
 Each concern lives in its own module; this one only decides which pieces a call needs and
 hands them the one shared :class:`~memwrap.runtime.gate.AccumulationGate`.
 
-A call runs in three steps. :func:`memwrap.config.validation.check_wrap` checks every option and every
+A call runs in three steps. :func:`memwrap.validation.check_wrap` checks every option and every
 object and changes nothing. Then the new objects are built (the converted optimizer, the
-wrappers), which changes nothing of the user's either. Last come the changes to the user's model
-and to torch's global settings (checkpointing, TF32, parameter dtype), undone if one of them
+wrappers; :func:`memwrap.validation.check_stepping` checks the optimizer that will step), which
+changes nothing of the user's either. Last come the changes to the user's model and to torch's
+global settings (checkpointing, TF32, parameter dtype), undone if one of them
 fails, so that a refused call leaves nothing behind and a retry behaves like a first call.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from memwrap.runtime.optimizer import WrappedOptimizer
 from memwrap.runtime.scheduler import WrappedScheduler
 from memwrap.precision.base import Precision
 from memwrap.errors import refuse_unwrapped  # re-exported: it was defined here
-from memwrap.config.validation import WrapPlan, check_wrap, checkpoint_target
+from memwrap.validation import WrapPlan, check_stepping, check_wrap, checkpoint_target
 
 __all__ = ["wrap", "unwrap", "backward", "refuse_unwrapped"]
 
@@ -169,19 +170,7 @@ def _optimizer_to_step(plan: WrapPlan) -> torch.optim.Optimizer:
         from memwrap.plugin.registry import convert_optimizer, option_hyperparameters
 
         inner = convert_optimizer(inner, plan.opts.optim, model=plan.model, **option_hyperparameters(plan.opts))
-    from memwrap.runtime.distributed import check_sharded_optimizer
-
-    check_sharded_optimizer(inner)  # e.g. 8-bit bitsandbytes on FSDP2 shards: fail now, with the fix, not at step 1
-    if plan.precision.check_optimizer(inner) and plan.schedulers:  # True: the precision will replace the optimizer
-        raise ValueError(
-            f"precision={plan.opts.precision!r} replaces {type(inner).__name__} with a compensated equivalent, but the "
-            "scheduler passed along still drives the old one. Fix: wrap the model and optimizer first, then build the "
-            "scheduler on the returned optimizer and wrap it: scheduler = memwrap.wrap(LambdaLR(optimizer, ...))."
-        )
-    if plan.opts.step_in_backward:
-        from memwrap.techniques.step_in_backward import check_step_in_backward
-
-        check_step_in_backward(plan.model, inner, plan.opts, plan.precision)
+    check_stepping(plan, inner)  # sharded parameters, the step in backward, the precision: read only
     # Before convert_module(): building the optimizer does not depend on the parameters' dtype (state is made at
     # the first step), and a failure here must find the model unchanged.
     return plan.precision.convert_optimizer(inner, plan.model, step_in_backward=plan.opts.step_in_backward)

@@ -303,3 +303,109 @@ def test_warnings_point_at_the_users_wrap_call():
     with pytest.warns(UserWarning) as record:
         memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), iter([1, 2]), accumulate=2)
     assert {r.filename for r in record} == {__file__}
+
+
+# --- the one pass and the technique interface (issue 19) ------------------------------------------------------
+
+class _CountCalls:
+    """Calls of each function's code object during a block, however a module imported the name. One profiler
+    for all of them: sys.setprofile holds one function."""
+
+    def __init__(self, *fns):
+        self.codes = {fn.__code__: fn.__name__ for fn in fns}
+        self.counts = dict.fromkeys(self.codes.values(), 0)
+
+    def _profile(self, frame, event, arg):
+        if event == "call" and frame.f_code in self.codes:
+            self.counts[self.codes[frame.f_code]] += 1
+
+    def __enter__(self):
+        import sys
+
+        sys.setprofile(self._profile)
+        return self.counts
+
+    def __exit__(self, *exc):
+        import sys
+
+        sys.setprofile(None)
+
+
+def test_wrap_parses_the_options_and_builds_the_precision_once():
+    # Before the layout work the precision was validated three times, and budget checks re-parsed the options.
+    from memwrap.config.options import parse_options
+    from memwrap.precision.base import get_precision
+
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters())
+    loader = [torch.randn(8, 4)]
+    with _CountCalls(parse_options, get_precision) as counts:
+        memwrap.wrap(model, opt, loader, precision="bf16", checkpoint="auto", max_grad_norm=1.0,
+                     gradient_accumulation_steps=2, budget_may_change=(), margin=None)
+    assert counts == {"parse_options": 1, "get_precision": 1}
+
+
+def test_every_technique_check_runs_through_the_one_interface():
+    import inspect
+
+    import memwrap.validation as validation
+
+    assert validation.TECHNIQUES
+    for technique in validation.TECHNIQUES:
+        assert list(inspect.signature(technique.check_wrap).parameters) == ["call"], technique.__name__
+        stepping = getattr(technique, "check_stepping", None)
+        if stepping is not None:
+            assert list(inspect.signature(stepping).parameters) == ["call", "optimizer"], technique.__name__
+    # No technique keeps a checks module of its own beside the interface but the budget's, which holds its one check.
+    names = {m.__name__ for m in validation.TECHNIQUES}
+    assert "memwrap.techniques.budget.checks" in names and "memwrap.techniques.step_in_backward" in names
+
+
+def test_a_new_technique_plugs_its_check_in_and_a_refusal_changes_nothing(monkeypatch, matmul_highest):
+    import types
+
+    import memwrap.validation as validation
+
+    seen = []
+
+    def check_wrap(call):
+        seen.append((call.opts.accumulate, call.precision.name, sorted(call.given), call.model is not None))
+        if call.opts.accumulate > 2:
+            raise ValueError("the new technique refuses accumulate > 2. Fix: accumulate=2.")
+
+    technique = types.ModuleType("my_technique")
+    technique.check_wrap = check_wrap
+    monkeypatch.setattr(validation, "TECHNIQUES", (*validation.TECHNIQUES, technique))
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = snapshot(model, opt)
+    with pytest.raises(ValueError, match="refuses accumulate > 2"):
+        memwrap.wrap(model, opt, accumulate=3, **CHANGING)
+    assert_same(before, snapshot(model, opt))
+    memwrap.wrap(model, opt, gradient_accumulation_steps=2, **CHANGING)
+    assert seen == [(3, "tf32", ["accumulate", "checkpoint", "precision"], True),
+                    (2, "tf32", ["accumulate", "checkpoint", "precision"], True)]
+
+
+def test_a_technique_returning_an_unknown_plan_field_is_refused(monkeypatch):
+    import types
+
+    import memwrap.validation as validation
+
+    technique = types.ModuleType("my_technique")
+    technique.check_wrap = lambda call: {"chunk_size": 4}
+    monkeypatch.setattr(validation, "TECHNIQUES", (*validation.TECHNIQUES, technique))
+    with pytest.raises(TypeError, match=r"my_technique.check_wrap returned \['chunk_size'\]"):
+        memwrap.wrap(Net())
+
+
+def test_the_plan_is_frozen():
+    import dataclasses
+
+    from memwrap.validation import check_wrap
+
+    plan = check_wrap((Net(),), {"checkpoint": "auto"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.checkpoint = None  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.call.opts = None  # type: ignore[misc]

@@ -25,14 +25,14 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.distributed._composable import checkpoint as _composable_checkpoint
-from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
+from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY  # the composable API's per-module registry
 
 from memwrap.checkpointing.policies import (MODES, check_policy_name, find_blocks, parse_checkpoint_option,
                                          plugin_policies, select_modules, selective_policy)
 from memwrap.errors import closest_hint
 
 __all__ = ["CheckpointReport", "apply_checkpointing", "remove_checkpointing", "find_blocks",
-           "parse_checkpoint_option", "is_checkpointed"]
+           "parse_checkpoint_option", "is_checkpointed", "checkpoint_target", "check_wrap"]
 
 _ROOT_ATTR = "_memwrap_checkpoint_report"
 _MOD_ATTR = "_memwrap_checkpoint_hooks"
@@ -304,3 +304,66 @@ def remove_checkpointing(model: nn.Module) -> nn.Module:
     for config in model.__dict__.pop(_USE_CACHE_ATTR, None) or ():
         config.use_cache = True
     return model
+
+
+# --- wrap()'s check (memwrap.validation runs it with the other techniques'; it only reads) ---------------------
+
+def checkpoint_target(model: nn.Module) -> nn.Module:
+    """The module whose blocks are checkpointed: under DDP the blocks live in ``.module``.
+
+    FSDP2 shards in place, so there the model itself is the target.
+
+    Example:
+        >>> net = nn.Linear(2, 2)
+        >>> checkpoint_target(net) is net
+        True
+    """
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def check_wrap(call) -> dict | None:
+    """``checkpoint=`` resolved against this model without applying it: ``{"checkpoint": apply_checkpointing's
+    arguments}``, or None when ``wrap()`` leaves the model's checkpointing as it is. Raises naming the fix.
+
+    Example:
+        >>> from memwrap.validation import check_wrap as check_call
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+        >>> check_call((net,), {"checkpoint": {"Linear"}}).checkpoint
+        {'policy': {'Linear'}}
+    """
+    how = parse_checkpoint_option(call.opts.checkpoint)
+    if how is None or call.model is None:
+        return None
+    model = call.model
+    _refuse_compiled(model)
+    target = checkpoint_target(model)
+    already = [name or "(root)" for name, m in target.named_modules() if is_checkpointed(m)]
+    if already:
+        raise ValueError(
+            f"checkpoint={call.opts.checkpoint!r}, but {len(already)} module(s) of the model are already checkpointed "
+            f"({', '.join(already[:3])}{', ...' if len(already) > 3 else ''}) by memwrap.apply_checkpointing or by an "
+            "earlier wrap(checkpoint=...) not unwrapped. wrap() would replace that checkpointing and unwrap() would then "
+            "remove it. Fix: drop checkpoint= (wrap() keeps and reports the existing checkpointing), unwrap the earlier "
+            "wrapped model, or call memwrap.remove_checkpointing(model) first."
+        )
+    policy, every, _, _ = resolve_policy(how["policy"], how.get("every", 1), how.get("mode", "full"),
+                                         how.get("offload", False))
+    chosen = select_modules(target, policy)[::every]  # a policy that selects nothing fails here
+    foreign = [name for name, m in chosen if "checkpoint" in (m.__dict__.get(REGISTRY_KEY) or {})]
+    if foreign:
+        raise ValueError(
+            f"module {foreign[0]!r} is already checkpointed by torch.distributed._composable.checkpoint outside "
+            "memwrap. Fix: remove that call and let wrap(checkpoint=...) do it, or drop checkpoint=."
+        )
+    return {"checkpoint": how}
+
+
+def _refuse_compiled(model: nn.Module) -> None:
+    compiled = [name or type(model).__name__ for name, m in model.named_modules()
+                if hasattr(m, "_orig_mod") or m.__dict__.get("_compiled_call_impl") is not None]
+    if compiled:
+        raise ValueError(
+            f"checkpoint= on a torch.compile'd model ({compiled[0]} is compiled): torch's non-reentrant checkpoint "
+            "fails under torch.compile (recomputed values get different metadata). Fix: drop checkpoint= or compile "
+            "after training setup without checkpointing; see docs/checkpointing.md."
+        )

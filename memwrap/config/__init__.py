@@ -1,6 +1,6 @@
-"""The options of ``wrap()``: parsed and validated once (options), the Hugging Face ``TrainingArguments``
-fields it does not apply (training_args), and the pass over the objects that makes the plan ``wrap()`` acts on
-(validation).
+"""The options of ``wrap()``: parsed and validated once (options) and the Hugging Face ``TrainingArguments``
+fields it does not apply (training_args). The pass over the objects that makes the plan ``wrap()`` acts on is
+:mod:`memwrap.validation`.
 
 The names below are re-exported from the modules that define them (``memwrap.config`` was one module before).
 """

@@ -200,3 +200,9 @@ def check_prepared_optimizer(optimizer: Any, opts: Any, precision: Any, schedule
         "memwrap's accumulate=<your window>; or wrap() before "
         "accelerator.prepare() with accumulate=1, so that accelerate calls memwrap's step() only when its window "
         "closes (then memwrap's clipping, loss scale and scheduler act on whole windows).")
+
+
+def check_wrap(call) -> None:
+    """``wrap()``'s check of an optimizer after ``accelerator.prepare`` (run by :mod:`memwrap.validation`):
+    :func:`check_prepared_optimizer`, one window."""
+    check_prepared_optimizer(call.optimizer, call.opts, call.precision, list(call.schedulers))

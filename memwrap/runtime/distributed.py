@@ -249,3 +249,16 @@ def check_dtype_change(model: nn.Module, precision: Any) -> None:
         f"which was built for their current dtype ({changing!r} is {current}): converting them now would happen behind "
         f"its back (DDP would stop averaging the gradients across ranks; FSDP's shards keep the old dtype). Fix: "
         f"convert first, then build {wrapper.split(' ')[0]} and the optimizer: {order}. See docs/distributed.md.")
+
+
+def check_wrap(call) -> None:
+    """``wrap()``'s check of the precision against a model DDP or FSDP2 already wraps (run by
+    :mod:`memwrap.validation`): :func:`check_dtype_change`, refused with the order that works."""
+    if call.model is not None:
+        check_dtype_change(call.model, call.precision)
+
+
+def check_stepping(call, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer that will step, against sharded parameters: :func:`check_sharded_optimizer` (e.g. 8-bit
+    bitsandbytes on FSDP2 shards fails now, with the fix, not at the first step)."""
+    check_sharded_optimizer(optimizer)

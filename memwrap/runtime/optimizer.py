@@ -466,3 +466,9 @@ class WrappedOptimizer(torch.optim.Optimizer):
             params = [p for g in self.param_groups for p in g["params"]]
             for p, grad in zip(params, grads, strict=True):
                 p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype).clone()
+
+
+def check_wrap(call) -> None:
+    """``wrap()``'s check of ``max_grad_norm=`` against the model (run by :mod:`memwrap.validation`):
+    :func:`check_sparse_clipping`."""
+    check_sparse_clipping(call.model, call.opts.max_grad_norm)

@@ -487,3 +487,18 @@ class BoundLossHead:
                 "call model(input_ids, labels=labels) and use outputs.loss, or drop chunked_loss= if you compute "
                 "the loss from the logits yourself.", stacklevel=4)
         return module(*args, **kwargs)
+
+
+def check_wrap(call) -> dict | None:
+    """``wrap()``'s check of ``chunked_loss=`` (run by :mod:`memwrap.validation`): the model's adapter, found and
+    checked now, as ``{"loss_head": BoundLossHead}``; None when the option is off. Raises naming the fix.
+
+    Example:
+        >>> from memwrap.validation import check_wrap as check_call
+        >>> check_call((nn.Linear(2, 2),), {}).loss_head is None
+        True
+    """
+    if call.model is None or call.opts.chunked_loss is False:
+        return None
+    chunk = None if call.opts.chunked_loss is True else call.opts.chunked_loss
+    return {"loss_head": BoundLossHead(find_loss_head(call.model), chunk)}

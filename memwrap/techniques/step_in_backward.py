@@ -467,3 +467,29 @@ def gradient_bytes_held(grad_bytes: list[int], accumulate: int) -> int:
     if not grad_bytes:
         return 0
     return max(grad_bytes) if accumulate == 1 else sum(grad_bytes)
+
+
+# --- wrap()'s checks (memwrap.validation runs them with the other techniques'; they only read) ----------------
+
+def check_wrap(call) -> None:
+    """Refuse what an optimizer that updates inside backward (``optim=`` LOMO, layer-wise GaLore/APOLLO, or such an
+    optimizer passed in) cannot do with the other options; see :func:`check_updates_in_backward`.
+
+    Example:
+        >>> from memwrap.validation import check_wrap as check_call
+        >>> net = nn.Linear(2, 2)
+        >>> check_call((net, torch.optim.SGD(net.parameters(), lr=0.1)), {"step_in_backward": True}).opts.step_in_backward
+        True
+    """
+    spec, optimizer = call.optim_spec, call.optimizer
+    if spec is not None:
+        check_updates_in_backward(spec.name if spec.updates_in_backward else None, call.opts, call.precision, call.model)
+    elif optimizer is not None and getattr(optimizer, "updates_in_backward", False):
+        check_updates_in_backward(type(optimizer).__name__, call.opts, call.precision, call.model)
+
+
+def check_stepping(call, optimizer: torch.optim.Optimizer) -> None:
+    """With ``step_in_backward=True``: what the optimizer that will step (after ``optim=`` conversion) must allow;
+    see :func:`check_step_in_backward`."""
+    if call.opts.step_in_backward:
+        check_step_in_backward(call.model, optimizer, call.opts, call.precision)

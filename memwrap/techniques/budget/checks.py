@@ -12,13 +12,27 @@ from typing import Any
 import torch
 
 from memwrap.config.options import given_names
-from memwrap.memory.budget import format_bytes
 
-__all__ = ["check_budget_options", "user_set", "optimizer_name"]
+__all__ = ["check_wrap", "check_budget_options", "user_set", "optimizer_name"]
 
 
-def check_budget_options(opts: Any, raw: dict[str, Any], model: Any, optimizer: Any, loaders: list) -> None:
-    """wrap()'s checks of ``budget=``, ``margin=``, ``budget_may_change=`` (read only; raise naming the fix)."""
+def check_wrap(call) -> None:
+    """``wrap()``'s checks of ``budget=``, ``margin=``, ``budget_may_change=`` (run by :mod:`memwrap.validation`;
+    read only): :func:`check_budget_options`.
+
+    Example:
+        >>> from memwrap.validation import check_wrap as check_call
+        >>> check_call((torch.nn.Linear(2, 2),), {"margin": 0.1})
+        Traceback (most recent call last):
+        ...
+        ValueError: margin= applies to budget=, which was not given. ...
+    """
+    check_budget_options(call.opts, call.given, call.model, call.optimizer, list(call.loaders))
+
+
+def check_budget_options(opts: Any, given: set[str], model: Any, optimizer: Any, loaders: list) -> None:
+    """The checks of ``budget=``, ``margin=``, ``budget_may_change=``; ``given`` are the options the user set
+    (:func:`memwrap.config.options.given_names`). Read only; raise naming the fix."""
     if opts.budget is None:
         for name in ("margin", "budget_may_change"):
             if getattr(opts, name) not in (None, ()):
@@ -30,14 +44,16 @@ def check_budget_options(opts: Any, raw: dict[str, Any], model: Any, optimizer: 
         raise ValueError(f"budget= plans the micro-batch from the loader's batches and cuts them for the model and "
                          f"the optimizer, but no {' or '.join(missing)} was given. Fix: memwrap.wrap(model, optimizer, "
                          f"loader, budget=...).")
-    set_by_user = user_set(raw)
     for name in opts.budget_may_change:
-        if name in set_by_user:
+        if name in given:
             raise ValueError(f"budget_may_change includes {name!r} but {name}={getattr(opts, name)!r} was given: an "
                              f"option you set stays as set. Fix: drop {name}= to let the budget choose it, or drop "
                              f"{name!r} from budget_may_change.")
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     if params >= opts.budget:
+        # Import cost: memwrap.memory's package loads the planner, which a wrap() that passes needs only with budget=.
+        from memwrap.memory.budget import format_bytes
+
         raise ValueError(f"budget={format_bytes(opts.budget)} is smaller than the model's parameters alone "
                          f"({format_bytes(params)}); no micro-batch can fit. Fix: a budget above "
                          f"{format_bytes(params)} plus gradients and optimizer state (typically 4x the parameters for "

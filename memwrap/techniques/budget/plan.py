@@ -380,7 +380,7 @@ class BudgetPlanner:
 
     def _plan_module(self) -> torch.nn.Module:
         from memwrap.checkpointing.apply import current_report, remove_checkpointing
-        from memwrap.config.validation import checkpoint_target
+        from memwrap.checkpointing.apply import checkpoint_target
 
         target = checkpoint_target(self.model.module)
         if self._foreign_checkpoint is None:
@@ -400,7 +400,7 @@ class BudgetPlanner:
     def _apply(self, choice: BudgetChoice) -> None:
         from memwrap.checkpointing.apply import apply_checkpointing, current_report, remove_checkpointing
         from memwrap.checkpointing.policies import parse_checkpoint_option
-        from memwrap.config.validation import checkpoint_target
+        from memwrap.checkpointing.apply import checkpoint_target
 
         if not self._foreign_checkpoint and not _same(choice.checkpoint, self._applied_checkpoint):
             target = checkpoint_target(self.model.module)

@@ -46,9 +46,9 @@ def plan_split(model: nn.Module, batch: Any, budget: Any, *, margin: Any = None,
     opts = parse_options(**raw)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     if params >= opts.budget:
-        from memwrap.techniques.budget.checks import check_budget_options
+        from memwrap.techniques.budget.checks import check_budget_options, user_set
 
-        check_budget_options(opts, raw, model, object(), [batch])  # raises: smaller than the parameters
+        check_budget_options(opts, user_set(raw), model, object(), [batch])  # raises: smaller than the parameters
     if device_type is None:
         device_type = next(model.parameters()).device.type
     # What the planner reads of a wrapped model and optimizer: nothing is wrapped here.

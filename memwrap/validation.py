@@ -1,34 +1,93 @@
-"""Everything ``wrap()`` checks before it changes anything.
+"""Everything ``wrap()`` checks before it changes anything: one read-only pass, run once per call.
 
 A refused ``wrap()`` call must leave the model (its hooks, its checkpointing, its parameters),
 the optimizer and torch's global settings exactly as they were, and a retry must behave like a
 first call. So every option and every object is checked here, by code that only reads, and the
-result is a :class:`WrapPlan` that :mod:`memwrap.wrapper` acts on. What can still fail once
+result is a frozen :class:`WrapPlan` that :mod:`memwrap.wrapper` acts on. What can still fail once
 ``wrap()`` acts is undone there.
+
+The pass has two parts. This module checks what every call shares: the options (parsed once, by
+:func:`memwrap.config.options.parse_options`), which object is which, what each option needs, the model,
+the loaders and schedulers, the precision. Each technique then checks its own option through one
+interface: a module in :data:`TECHNIQUES` defines ``check_wrap(call: WrapCall)``, which reads the parsed
+options and the objects (never the raw options again), raises naming the fix, and may return fields of
+the plan (``{"checkpoint": ...}``, ``{"loss_head": ...}``); a module may also define
+``check_stepping(call, optimizer)``, run by :func:`check_stepping` on the optimizer that will step (after an
+``optim=`` conversion, which only builds new objects). A new technique adds its module to the list.
 """
 from __future__ import annotations
 
 import dataclasses
 import warnings
 from collections.abc import Iterable
+from types import MappingProxyType, ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
-from memwrap.runtime.loader import WrappedLoader
-from memwrap.config.options import Options, parse_options
-from memwrap.runtime.module import WrappedModule
-from memwrap.runtime.optimizer import WrappedOptimizer, check_params_in_model, check_sparse_clipping
-from memwrap.runtime.scheduler import WrappedScheduler
+from memwrap.checkpointing import apply as checkpointing
+from memwrap.config.options import Options, given_names, parse_options
+from memwrap.integrations import accelerate
+from memwrap.plugin.registry import OptimizerSpec, get_optimizer_spec, option_hyperparameters
 from memwrap.precision.base import Precision, get_precision
+from memwrap.runtime import distributed
+from memwrap.runtime import optimizer as clipping
+from memwrap.runtime.loader import WrappedLoader
+from memwrap.runtime.module import WrappedModule
+from memwrap.runtime.optimizer import WrappedOptimizer, check_params_in_model
+from memwrap.runtime.scheduler import WrappedScheduler
+from memwrap.techniques import loss_head, step_in_backward
+from memwrap.techniques.budget import checks as budget
 
-__all__ = ["WrapPlan", "check_wrap", "checkpoint_target"]
+__all__ = ["WrapCall", "WrapPlan", "TECHNIQUES", "check_wrap", "check_stepping", "checkpoint_target"]
+
+checkpoint_target = checkpointing.checkpoint_target  # re-exported: wrap() and unwrap() find the blocks with it
+
+# The techniques' checks, in the order they run: the optimizer first (what it updates, how it is wrapped), then
+# the model's forward (checkpointing, chunked loss), then clipping, then budget= (which reads the others' results).
+TECHNIQUES: tuple[ModuleType, ...] = (accelerate, distributed, step_in_backward, checkpointing, loss_head, clipping,
+                                      budget)
 
 _WRAPPERS = (WrappedModule, WrappedOptimizer, WrappedScheduler, WrappedLoader)
 _SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 # Warnings below point at the user's wrap(...) line: warn <- helper <- check_wrap <- wrap <- user.
 _USER = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class WrapCall:
+    """One ``wrap()`` call as the techniques' checks read it: the options parsed once, the objects by kind.
+
+    ``given`` holds the names of the options the user set (Hugging Face aliases mapped to memwrap's names);
+    ``optim_spec`` is the registry's spec of ``optim=`` (None without it, and until :func:`check_wrap` has checked
+    that ``optim=`` has an optimizer to convert).
+
+    Example:
+        >>> call = WrapCall.of((torch.nn.Linear(2, 2),), {"bf16": True})
+        >>> call.precision.name, sorted(call.given), call.optimizer
+        ('bf16', ['precision'], None)
+    """
+
+    opts: Options
+    given: frozenset[str]
+    precision: Precision
+    model: nn.Module | None
+    optimizer: torch.optim.Optimizer | None
+    schedulers: tuple[Any, ...]
+    loaders: tuple[Any, ...]
+    device_type: str
+    optim_spec: OptimizerSpec | None
+
+    @classmethod
+    def of(cls, objects: tuple[Any, ...], options: dict[str, Any]) -> "WrapCall":
+        """Parse the options and sort the objects; raises for what no technique could use."""
+        opts = parse_options(**options)
+        precision = get_precision(opts.precision, compensation=opts.compensation)
+        kinds = _classify(objects)
+        model, optimizer = _one_model_and_optimizer(kinds)
+        return cls(opts, frozenset(given_names(options)), precision, model, optimizer, tuple(kinds["scheduler"]),
+                   tuple(kinds["loader"]), _device_type(model, optimizer), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +108,7 @@ class WrapPlan:
     device_type: str
     checkpoint: dict[str, Any] | None
     loss_head: Any = None  # the model's chunked-loss adapter (memwrap.techniques.loss_head.BoundLossHead) or None
+    call: WrapCall | None = None  # what the checks read; check_stepping() reads it again
 
 
 def check_wrap(objects: tuple[Any, ...], options: dict[str, Any]) -> WrapPlan:
@@ -64,62 +124,53 @@ def check_wrap(objects: tuple[Any, ...], options: dict[str, Any]) -> WrapPlan:
             "wrap() was given nothing to wrap. Fix: pass the objects of your training setup, e.g. "
             "model, optimizer = memwrap.wrap(model, optimizer, accumulate=4); options alone wrap nothing."
         )
-    opts = parse_options(**options)
-    precision = get_precision(opts.precision, compensation=opts.compensation)
-    kinds = _classify(objects)
-    model, optimizer = _one_model_and_optimizer(kinds)
-    _check_option_targets(opts, precision, model, optimizer, kinds["loader"])
-    _check_loaders(kinds["loader"])
-    _check_schedulers(kinds["scheduler"], optimizer, opts)
-    from memwrap.integrations.accelerate import check_prepared_optimizer
-
-    check_prepared_optimizer(optimizer, opts, precision, kinds["scheduler"])  # after accelerator.prepare: one window
+    call = WrapCall.of(tuple(objects), options)
+    opts, precision, model, optimizer = call.opts, call.precision, call.model, call.optimizer
+    _check_option_targets(opts, precision, model, optimizer, list(call.loaders))
+    _check_loaders(list(call.loaders))
+    _check_schedulers(list(call.schedulers), optimizer, opts)
     if model is not None:
         _check_model(model, optimizer, opts, precision)
-        from memwrap.runtime.distributed import check_dtype_change
-
-        check_dtype_change(model, precision)  # bf16-true after DDP / fully_shard: refused with the order that works
     if opts.optim is not None:
-        from memwrap.plugin.registry import get_optimizer_spec
-
-        spec = get_optimizer_spec(opts.optim)  # an unknown name fails here, with its did-you-mean
-        from memwrap.plugin.registry import option_hyperparameters
-        from memwrap.techniques.step_in_backward import check_updates_in_backward
-
+        call = dataclasses.replace(call, optim_spec=get_optimizer_spec(opts.optim))  # unknown: its did-you-mean
         option_hyperparameters(opts)  # optim_args / optim_target_modules checked against it, before anything changes
-        check_updates_in_backward(spec.name if spec.updates_in_backward else None, opts, precision, model)
-    elif optimizer is not None and getattr(optimizer, "updates_in_backward", False):
-        from memwrap.techniques.step_in_backward import check_updates_in_backward
-
-        check_updates_in_backward(type(optimizer).__name__, opts, precision, model)
-    device_type = _device_type(model, optimizer)
-    precision.check(device_type)  # called from here: its warnings use stacklevel=4, the user's wrap() line
-    checkpoint = _check_checkpointing(model, opts) if model is not None else None
-    loss_head = None
-    if model is not None and opts.chunked_loss is not False:
-        from memwrap.techniques.loss_head import BoundLossHead, find_loss_head
-
-        loss_head = BoundLossHead(find_loss_head(model), None if opts.chunked_loss is True else opts.chunked_loss)
-    check_sparse_clipping(model, opts.max_grad_norm)  # torch's clip_grad_norm_ has no sparse kernel
-    if opts.budget is not None or options.get("margin") is not None or options.get("budget_may_change"):
-        from memwrap.techniques.budget.checks import check_budget_options  # import cost: it pulls in the planner
-
-        check_budget_options(opts, options, model, optimizer, kinds["loader"])
-    return WrapPlan(opts, tuple(objects), model, optimizer, tuple(kinds["scheduler"]), tuple(kinds["loader"]), precision,
-                    device_type, checkpoint, loss_head)
+    precision.check(call.device_type)  # called from here: its warnings use stacklevel=4, the user's wrap() line
+    found: dict[str, Any] = {"checkpoint": None, "loss_head": None}
+    for technique in TECHNIQUES:
+        fields = technique.check_wrap(call) or {}
+        unknown = set(fields) - set(found)
+        if unknown:  # a plan field no one would read: a technique's result silently dropped
+            raise TypeError(f"{technique.__name__}.check_wrap returned {sorted(unknown)}, which are not fields of the "
+                            f"wrap() plan ({sorted(found)}). Fix: return only those, or add the field to WrapPlan.")
+        found.update(fields)
+    return WrapPlan(opts, tuple(objects), model, optimizer, call.schedulers, call.loaders, precision,
+                    call.device_type, found["checkpoint"], found["loss_head"], call)
 
 
-def checkpoint_target(model: nn.Module) -> nn.Module:
-    """The module whose blocks are checkpointed: under DDP the blocks live in ``.module``.
-
-    FSDP2 shards in place, so there the model itself is the target.
+def check_stepping(plan: WrapPlan, optimizer: torch.optim.Optimizer) -> bool:
+    """The checks of the optimizer that will step (the user's, or the one ``optim=`` built from it; building it
+    changed nothing of the user's): each technique's ``check_stepping``, then the precision's. Returns whether the
+    precision will replace it with a compensated equivalent.
 
     Example:
-        >>> net = nn.Linear(2, 2)
-        >>> checkpoint_target(net) is net
-        True
+        >>> net = torch.nn.Linear(2, 2)
+        >>> sgd = torch.optim.SGD(net.parameters(), lr=0.1)
+        >>> check_stepping(check_wrap((net, sgd), {}), sgd)
+        False
     """
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    call = plan.call if plan.call is not None else WrapCall.of(plan.objects, {})
+    for technique in TECHNIQUES:
+        check = getattr(technique, "check_stepping", None)
+        if check is not None:
+            check(call, optimizer)
+    replaces = bool(plan.precision.check_optimizer(optimizer))
+    if replaces and plan.schedulers:
+        raise ValueError(
+            f"precision={plan.opts.precision!r} replaces {type(optimizer).__name__} with a compensated equivalent, but "
+            "the scheduler passed along still drives the old one. Fix: wrap the model and optimizer first, then build "
+            "the scheduler on the returned optimizer and wrap it: scheduler = memwrap.wrap(LambdaLR(optimizer, ...))."
+        )
+    return replaces
 
 
 # --- the objects --------------------------------------------------------------------------
@@ -283,48 +334,3 @@ def _device_type(model: Any, optimizer: Any) -> str:
     else:
         param = None
     return param.device.type if param is not None else "cpu"
-
-
-# --- checkpointing ------------------------------------------------------------------------
-
-def _check_checkpointing(model: nn.Module, opts: Options) -> dict[str, Any] | None:
-    """The ``apply_checkpointing`` arguments for ``checkpoint=``, resolved against this model without applying them."""
-    from memwrap.checkpointing.apply import is_checkpointed, parse_checkpoint_option, resolve_policy
-    from memwrap.checkpointing.policies import select_modules
-    from torch.distributed._composable.contract import REGISTRY_KEY  # the composable API's per-module registry
-
-    how = parse_checkpoint_option(opts.checkpoint)
-    if how is None:
-        return None
-    _refuse_compiled(model)
-    target = checkpoint_target(model)
-    already = [name or "(root)" for name, m in target.named_modules() if is_checkpointed(m)]
-    if already:
-        raise ValueError(
-            f"checkpoint={opts.checkpoint!r}, but {len(already)} module(s) of the model are already checkpointed "
-            f"({', '.join(already[:3])}{', ...' if len(already) > 3 else ''}) by memwrap.apply_checkpointing or by an "
-            "earlier wrap(checkpoint=...) not unwrapped. wrap() would replace that checkpointing and unwrap() would then "
-            "remove it. Fix: drop checkpoint= (wrap() keeps and reports the existing checkpointing), unwrap the earlier "
-            "wrapped model, or call memwrap.remove_checkpointing(model) first."
-        )
-    policy, every, _, _ = resolve_policy(how["policy"], how.get("every", 1), how.get("mode", "full"),
-                                         how.get("offload", False))
-    chosen = select_modules(target, policy)[::every]  # a policy that selects nothing fails here
-    foreign = [name for name, m in chosen if "checkpoint" in (m.__dict__.get(REGISTRY_KEY) or {})]
-    if foreign:
-        raise ValueError(
-            f"module {foreign[0]!r} is already checkpointed by torch.distributed._composable.checkpoint outside "
-            "memwrap. Fix: remove that call and let wrap(checkpoint=...) do it, or drop checkpoint=."
-        )
-    return how
-
-
-def _refuse_compiled(model: nn.Module) -> None:
-    compiled = [name or type(model).__name__ for name, m in model.named_modules()
-                if hasattr(m, "_orig_mod") or m.__dict__.get("_compiled_call_impl") is not None]
-    if compiled:
-        raise ValueError(
-            f"checkpoint= on a torch.compile'd model ({compiled[0]} is compiled): torch's non-reentrant checkpoint "
-            "fails under torch.compile (recomputed values get different metadata). Fix: drop checkpoint= or compile "
-            "after training setup without checkpointing; see docs/checkpointing.md."
-        )
