@@ -9,6 +9,8 @@ import argparse
 import importlib
 import sys
 
+from memwrap.errors import closest_hint
+
 # module path -> the subcommand it registers; imported only when the CLI runs.
 SUBCOMMANDS = ("memwrap.memory.cli", "memwrap.demo.runner")
 
@@ -33,8 +35,6 @@ class _Parser(argparse.ArgumentParser):
         return sorted(set(names))
 
     def error(self, message: str):
-        from memwrap.errors import closest_hint
-
         known = self._all_options()
         hints = []
         for token in getattr(self, "_seen", []):

@@ -24,9 +24,12 @@ from memwrap.precision.loss_scale import configure_scaler
 from memwrap.runtime.module import WrappedModule
 from memwrap.runtime.optimizer import WrappedOptimizer
 from memwrap.runtime.scheduler import WrappedScheduler
-from memwrap.precision.base import Precision
+from memwrap.precision.base import convert_model, Precision
 from memwrap.errors import refuse_unwrapped  # re-exported: it was defined here
 from memwrap.validation import WrapPlan, check_stepping, check_wrap, checkpoint_target
+from memwrap.checkpointing.apply import apply_checkpointing, current_report, remove_checkpointing
+from memwrap.plugin.registry import convert_optimizer, option_hyperparameters
+from memwrap.techniques.step_in_backward import StepInBackward
 
 __all__ = ["wrap", "unwrap", "backward", "refuse_unwrapped"]
 
@@ -79,6 +82,7 @@ def wrap(*objects: Any, **options: Any) -> Any:
         results[id(loader)] = _wrap_loader(loader, plan, gate)
         results[id(loader)].optimizer = wrapped_opt  # loader.end_epoch() steps the open window through it
     if plan.opts.budget is not None:  # each batch is one window, cut at the first batch's plan (memwrap.techniques.budget.plan)
+        # import cost: it loads the planner.
         from memwrap.techniques.budget.plan import BudgetPlanner
 
         planner = BudgetPlanner(wrapped_model, wrapped_opt, plan.opts, options, plan.device_type)
@@ -89,7 +93,6 @@ def wrap(*objects: Any, **options: Any) -> Any:
         if wrapped_model is not None:
             _change_model(plan, wrapped_model, undo, wrapped_opt.optimizer if wrapped_opt is not None else None)
         if wrapped_opt is not None and plan.opts.step_in_backward:  # hooks on the parameters: a change, made last
-            from memwrap.techniques.step_in_backward import StepInBackward
 
             wrapped_opt.step_in_backward = StepInBackward(wrapped_opt, plan.model)
         undo.pop_all()  # all done: keep every change
@@ -116,8 +119,6 @@ def unwrap(obj: Any) -> Any:
     if isinstance(obj, WrappedModule):
         undone = []
         if obj._owns_checkpointing:
-            from memwrap.checkpointing.apply import remove_checkpointing
-
             remove_checkpointing(checkpoint_target(obj.module))
             object.__setattr__(obj, "_owns_checkpointing", False)  # a later wrap's checkpointing is not this one's
             undone.append("the checkpointing wrap() applied (checkpoint_report no longer holds)")
@@ -167,8 +168,6 @@ def _optimizer_to_step(plan: WrapPlan) -> torch.optim.Optimizer:
     equivalent). Builds new objects only; the user's optimizer is left as it is."""
     inner = plan.optimizer
     if plan.opts.optim is not None:
-        from memwrap.plugin.registry import convert_optimizer, option_hyperparameters
-
         inner = convert_optimizer(inner, plan.opts.optim, model=plan.model, **option_hyperparameters(plan.opts))
     check_stepping(plan, inner)  # sharded parameters, the step in backward, the precision: read only
     # Before convert_module(): building the optimizer does not depend on the parameters' dtype (state is made at
@@ -179,6 +178,7 @@ def _optimizer_to_step(plan: WrapPlan) -> torch.optim.Optimizer:
 def _monitor(plan: WrapPlan) -> Any:
     if plan.opts.monitor is None:
         return None
+    # import cost: memwrap.memory's package loads the planner.
     from memwrap.memory.monitor import MemoryMonitor
 
     return MemoryMonitor(every=plan.opts.monitor)
@@ -193,8 +193,6 @@ def _change_model(plan: WrapPlan, wrapped: WrappedModule, undo: contextlib.ExitS
     conversion keeps the old storage until ``wrap()`` succeeds, so it is undone bit for bit
     (:func:`memwrap.precision.base.convert_model`).
     """
-    from memwrap.checkpointing.apply import apply_checkpointing, current_report, remove_checkpointing
-    from memwrap.precision.base import convert_model
 
     target = checkpoint_target(plan.model)
     if plan.checkpoint is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 import memwrap.plugin.manager
+import memwrap.plugin.name_index
 from memwrap.plugin.name_index import PluginCache, conflict_message, index_names
 
 
@@ -27,7 +28,7 @@ class _PM:
 
 def test_cache_rebuilds_when_a_plugin_object_changes_even_under_the_same_name(monkeypatch):
     pm = _PM([("a", object())])
-    monkeypatch.setattr(memwrap.plugin.manager, "get_plugin_manager", lambda: pm)
+    monkeypatch.setattr(memwrap.plugin.name_index, "get_plugin_manager", lambda: pm)  # the name it calls
     calls = []
     cache = PluginCache(lambda: calls.append(1) or len(calls))
     assert cache.get() == 1 and cache.get() == 1  # same plugin objects: cached
@@ -39,7 +40,7 @@ def test_cache_rebuilds_when_a_plugin_object_changes_even_under_the_same_name(mo
 
 def test_a_failed_collect_is_not_cached(monkeypatch):
     pm = _PM([("a", object())])
-    monkeypatch.setattr(memwrap.plugin.manager, "get_plugin_manager", lambda: pm)
+    monkeypatch.setattr(memwrap.plugin.name_index, "get_plugin_manager", lambda: pm)  # the name it calls
     outcomes = iter([RuntimeError("boom"), "ok"])
 
     def collect():

@@ -169,13 +169,12 @@ def test_a_failure_after_the_checks_is_rolled_back(failing, matmul_highest, monk
         boom()
 
     with monkeypatch.context() as patch:
+        # Each is patched where wrap() looks it up (memwrap.wrapper imports them at module level).
         if failing == "apply_checkpointing":
-            patch.setattr(memwrap.checkpointing.apply, failing, half_applied)
+            patch.setattr(memwrap.wrapper, failing, half_applied)
         elif failing == "convert_module":
             patch.setattr(type(memwrap.precision.base.get_precision("tf32")), failing, boom)
-        elif failing == "StepInBackward":  # hooks on the parameters, set up after the model's changes
-            patch.setattr("memwrap.techniques.step_in_backward.StepInBackward", boom)
-        else:
+        else:  # StepInBackward: hooks on the parameters, set up after the model's changes
             patch.setattr(memwrap.wrapper, failing, boom)
         with pytest.raises(RuntimeError, match="injected failure"):
             memwrap.wrap(model, opt, accumulate=2, step_in_backward=failing == "StepInBackward", **CHANGING)

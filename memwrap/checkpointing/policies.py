@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from memwrap.errors import closest_hint
+from memwrap.plugin.manager import PluginContractError
 
 __all__ = ["find_blocks", "select_modules", "parse_checkpoint_option", "plugin_policies", "check_policy_name",
            "selective_policy", "SAVE_OPS", "MODES"]
@@ -183,8 +184,6 @@ def _is_builtin_form(name: str) -> bool:
 
 
 def _policy_table(result) -> dict:
-    from memwrap.plugin.manager import PluginContractError
-
     result = {} if result is None else result
     if not isinstance(result, dict):
         raise PluginContractError(f"must return a dict name -> policy, got {type(result).__name__}")

@@ -12,6 +12,10 @@ from typing import Any
 
 from memwrap.errors import closest_hint, require_name
 from memwrap.precision.base import get_precision_class
+from memwrap.checkpointing.policies import parse_checkpoint_option
+from memwrap.config.training_args import warn_unapplied
+from memwrap.plugin.registry import conversion_hyperparameters
+from memwrap.precision.loss_scale import check_scaler_option
 
 __all__ = ["Options", "parse_options", "options_from", "given_names", "HF_ALIASES"]
 
@@ -164,12 +168,10 @@ def _validate(values: dict[str, Any]) -> None:
     if values.get("checkpoint") is not None:
         # Here rather than when the model is wrapped, so that estimate() and plan() reject a policy typo
         # ("fulll") with the same message before any tracing.
-        from memwrap.checkpointing.policies import parse_checkpoint_option
-
         parse_checkpoint_option(values["checkpoint"])
-    from memwrap.precision.loss_scale import check_scaler_option
 
-    values["scaler"] = check_scaler_option(values.get("scaler"), precision)
+    values["scaler"] = check_scaler_option(values.get("scaler"), precision,
+                                           uses_scaler=bool(get_precision_class(precision).uses_scaler))
     monitor = values.get("monitor")
     if monitor is not None and (isinstance(monitor, bool) or not isinstance(monitor, numbers.Integral) or monitor < 1):
         raise ValueError(f"monitor must be None or an int >= 1 (log memory every k updates), got {monitor!r}.")
@@ -189,7 +191,6 @@ def _validate_optim_settings(values: dict[str, Any]) -> None:
         raise ValueError(f"{given}= sets up the optimizer that optim= builds, and no optim= was given. Fix: add "
                          "optim='galore_adamw' (or another name), or set it on the optimizer you build yourself "
                          "(memwrap.create_optimizer(name, model, target_modules=..., rank=...)).")
-    from memwrap.plugin.registry import conversion_hyperparameters
 
     conversion_hyperparameters(values["optim"], optim_args=dict(optim_args) if isinstance(optim_args, tuple)
                                else optim_args, target_modules=targets)
@@ -198,10 +199,12 @@ def _validate_optim_settings(values: dict[str, Any]) -> None:
 def _validate_budget(values: dict[str, Any]) -> None:
     """``budget=`` (a size with its unit), ``margin=`` and ``budget_may_change=``; see memwrap.techniques.budget.plan."""
     if values.get("budget") is not None:
+        # import cost: memwrap.memory's package loads the planner.
         from memwrap.memory.budget import parse_budget
 
         values["budget"] = parse_budget(values["budget"], what="budget")
     if values.get("margin") is not None:
+        # import cost: memwrap.memory's package loads the planner.
         from memwrap.memory.margin import Margin
 
         Margin.parse(values["margin"])
@@ -245,7 +248,6 @@ def options_from(training_args: Any) -> dict[str, Any]:
         found.update({n: getattr(training_args, n) for n in ("optim_target_modules", "optim_args")
                       if getattr(training_args, n, None)})
     parse_options(**found)  # validate now, so a bad TrainingArguments fails here and not inside wrap()
-    from memwrap.config.training_args import warn_unapplied
 
     # Every other field that is not at its default is named, with how a plain loop applies it: none is dropped silently.
     warn_unapplied(training_args, read={*HF_ALIASES, *found})

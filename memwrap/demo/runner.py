@@ -35,6 +35,10 @@ from typing import Any
 
 import torch
 
+from memwrap.plugin.registry import create_optimizer
+from memwrap.runtime.module import WrappedModule
+from memwrap.runtime.optimizer import WrappedOptimizer
+
 __all__ = ["register", "run", "Batches", "RunResult", "TOLERANCE"]
 
 TOLERANCE = 0.10  # measured peaks must be within 10% of the predictions
@@ -143,6 +147,7 @@ def _micro_batches(batch: int) -> list[int]:
 
 
 def _budget(text: str, plain_peak: int) -> tuple[int, str]:
+    # import cost: memwrap.memory's package loads the planner.
     from memwrap.memory import format_bytes, parse_budget
 
     text = str(text).strip()
@@ -160,6 +165,7 @@ def _budget(text: str, plain_peak: int) -> tuple[int, str]:
 
 
 def _validate(args: argparse.Namespace):
+    # import cost: the built-in models, needed only by presets.
     from memwrap.models import PRESETS, get_preset
 
     spec = get_preset(args.preset)  # ValueError names the valid presets
@@ -182,6 +188,7 @@ def _track_update(model, optimizer, micro_batches, step_fn) -> dict[str, int]:
     """Run one update under torch's MemTracker on the real tensors; bytes per category at its peak."""
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
+    # import cost: memwrap.memory's package loads the planner.
     from memwrap.memory.tracing.trace import CATEGORIES
 
     names = dict(zip((_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.GRAD, _MemRefType.OPT, _MemRefType.ACT,
@@ -216,10 +223,8 @@ def train(label: str, factory, state: dict, options: dict[str, Any], accumulate:
         ...           Batches(torch.arange(300) % 256, 2, 16), 3, 1e-3, "cpu")  # doctest: +SKIP
     """
     import memwrap
+    # import cost: the built-in models, needed only by presets.
     from memwrap.models import lm_loss
-    from memwrap.runtime.module import WrappedModule
-    from memwrap.runtime.optimizer import WrappedOptimizer
-    from memwrap.plugin.registry import create_optimizer
 
     model = factory().to(device)
     model.load_state_dict(state)
@@ -267,6 +272,7 @@ def train(label: str, factory, state: dict, options: dict[str, Any], accumulate:
 def _train_budget(label, model, optimizer, options, data: Batches, steps: int, device: str, progress) -> RunResult:
     """The planned run: global batches in, ``budget=`` cuts them; the loop body is the plain one."""
     import memwrap
+    # import cost: the built-in models, needed only by presets.
     from memwrap.models import lm_loss
 
     inner_model, inner_opt = model, optimizer
@@ -313,10 +319,15 @@ def _train_budget(label, model, optimizer, options, data: Batches, steps: int, d
 def run(args: argparse.Namespace) -> int:
     """Execute ``memwrap demo``; returns 0, 1 if a measured peak is off its prediction by > 10%, 2 on bad input,
     3 if nothing fits the budget."""
+    # import cost: the demo.
     from memwrap.demo.corpus import CORPUS, corpus_tokens
+    # import cost: the demo.
     from memwrap.demo.report import Progress, plan_summary, plot_demo, results_table
+    # import cost: memwrap.memory's package loads the planner.
     from memwrap.memory import estimate, format_bytes, measure_peak, plan
+    # import cost: memwrap.memory's package loads the planner.
     from memwrap.memory.search.planner import Margin
+    # import cost: the built-in models, needed only by presets.
     from memwrap.models import lm_loss
 
     try:

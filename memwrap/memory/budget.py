@@ -12,6 +12,8 @@ import math
 import numbers
 import re
 
+from memwrap.errors import closest_hint
+
 __all__ = ["parse_budget", "format_bytes", "unit_for", "ACCEPTED_FORMS"]
 
 _UNITS = {
@@ -74,8 +76,6 @@ def parse_budget(value: int | float | str, *, what: str = "memory budget", allow
     match = _PATTERN.match(value)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        from memwrap.errors import closest_hint
-
         hint = closest_hint(unit, [u for u in _UNITS if u]) if match else ""
         raise ValueError(f"cannot read {what} {value!r}.{hint.replace('Did you mean', 'Did you mean unit')} "
                          f"Accepted: {ACCEPTED_FORMS}.")

@@ -20,6 +20,13 @@ import sys
 import time
 from typing import Any
 
+from memwrap.errors import closest_hint
+from memwrap.memory.budget import parse_budget
+from memwrap.memory.search.planner import Margin, plan
+from memwrap.memory.tracing.batch import split_batch
+from memwrap.memory.tracing.trace import _to_fake, fake_model, find_stack
+from memwrap.memory.search.report import plan_table, plot_plan, print_plan
+
 __all__ = ["register", "run", "load_factory", "PlanInputError", "EXIT_FITS", "EXIT_BAD_INPUT", "EXIT_NOTHING_FITS",
            "DEFAULT_TOP"]
 
@@ -141,8 +148,6 @@ def load_factory(target: str):
     try:
         return getattr(module, name)
     except AttributeError:
-        from memwrap.errors import closest_hint
-
         names = [n for n in dir(module) if not n.startswith("_")]
         factories = [n for n in names if callable(getattr(module, n)) and not isinstance(getattr(module, n), type(sys))]
         raise PlanInputError(f"model target: {where!r} has no attribute {name!r}.{closest_hint(name, names)} Fix: name "
@@ -200,6 +205,7 @@ def _model_and_batches(args):
     if args.preset and args.target:
         raise PlanInputError("give either --preset or a model factory, not both.")
     if args.preset:
+        # import cost: the built-in models, needed only by presets.
         from memwrap.models import get_preset, preset_batch
 
         given = [f for f, v in (("--input-shape", args.input_shape), ("--input-dtype", args.input_dtype),
@@ -334,9 +340,6 @@ def _preflight(module: Any, make_batch: Any, loss: Any, what: str, shape: list[i
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memwrap.memory.tracing.batch import split_batch
-    from memwrap.memory.tracing.trace import _to_fake, fake_model, find_stack
-
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     device = torch.device("cpu")
     stack = find_stack(module)
@@ -447,9 +450,6 @@ class _Progress:
 def run(args: argparse.Namespace) -> int:
     """Execute ``memwrap plan``; returns the exit status: 0 when a configuration fits, 3 when nothing fits
     (:data:`EXIT_NOTHING_FITS`, as ``memwrap demo``), 2 for bad input."""
-    from memwrap.memory.budget import parse_budget
-    from memwrap.memory.search.planner import Margin, plan
-    from memwrap.memory.search.report import plan_table, plot_plan, print_plan
 
     try:  # every input error exits 2, as argparse's own do
         parse_budget(args.budget, what="--budget")  # checked here to name the flag; plan() reads the same text

@@ -27,6 +27,8 @@ from torch.utils._pytree import tree_flatten
 
 from memwrap.memory.monitor import process_memory, reset_process_peak
 from memwrap.memory.tracing.batch import default_loss, split_batch
+from memwrap.plugin.registry import create_optimizer
+from memwrap.quiet import quiet_native_stderr
 
 __all__ = ["measure_peak", "live_bytes", "allocator_growth"]
 
@@ -83,8 +85,6 @@ def allocator_growth(fn: Callable[[], Any]) -> int:
     """
     from torch.profiler import ProfilerActivity, profile
 
-    from memwrap.quiet import quiet_native_stderr
-
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     # kineto prints "USDT ... profiler_start/stop" natively at each start and stop: held back around those two calls
     # only, so whatever fn itself prints still shows.
@@ -135,7 +135,6 @@ def measure_peak(model: nn.Module | Callable[[], nn.Module], batch: Any, loss_fn
         True
     """
     import memwrap
-    from memwrap.plugin.registry import create_optimizer
 
     gc.collect()
     if torch.cuda.is_initialized():

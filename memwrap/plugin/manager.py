@@ -44,6 +44,7 @@ from pathlib import Path
 import pluggy
 
 from memwrap.plugin import hookspecs
+from memwrap.errors import closest_hint
 
 __all__ = [
     "hookimpl", "get_plugin_manager", "reset_plugin_manager", "plugin_info", "plugin_errors",
@@ -272,8 +273,6 @@ class _Manager(pluggy.PluginManager):
         known = sorted(n for n, c in vars(self.hook).items() if getattr(c, "spec", None) is not None)
         for caller in self.get_hookcallers(plugin) or []:
             if caller.spec is None and any(i.plugin is plugin and not i.optionalhook for i in caller.get_hookimpls()):
-                from memwrap.errors import closest_hint
-
                 self.unregister(plugin)
                 raise UnknownHookError(plugin, caller.name, (
                     f"plugin {registered!r} implements {caller.name!r}, which is not a memwrap hook (known: "

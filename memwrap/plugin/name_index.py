@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
+from memwrap.plugin.manager import get_plugin_manager
+
 __all__ = ["index_names", "PluginCache", "conflict_message"]
 
 T = TypeVar("T")
@@ -62,8 +64,6 @@ class PluginCache(Generic[T]):
         self._lock = threading.Lock()
 
     def get(self) -> T:
-        from memwrap.plugin.manager import get_plugin_manager
-
         pm = get_plugin_manager()
         key = (pm, *(plugin for _, plugin in sorted(pm.list_name_plugin(), key=lambda item: item[0])))
         with self._lock:

@@ -26,6 +26,7 @@ from memwrap.errors import closest_hint, require_name
 from memwrap.plugin.name_index import PluginCache, conflict_message, index_names
 from memwrap.plugin.calls import FieldRule, call_hook, guard_fields
 from memwrap.plugin.manager import PluginContractError, PluginError, plugin_errors
+from memwrap.plugin.optimizer_args import check_hyperparameters, typed_optim_args
 
 __all__ = [
     "OptimizerSpec", "OptimizerRow", "OptimizerUnavailableError", "OptimizerConflictError",
@@ -357,7 +358,6 @@ def _known_keywords(spec: OptimizerSpec) -> set[str]:
 
 def _validate(spec: OptimizerSpec, params, hyperparameters: Mapping[str, Any]) -> None:
     """Every check that needs no model and builds nothing: memwrap's own, then the plugin's."""
-    from memwrap.plugin.optimizer_args import check_hyperparameters
 
     check_hyperparameters(spec.name, hyperparameters)
     if not isinstance(params, (nn.Module, torch.Tensor)) and isinstance(params, (list, tuple)):
@@ -421,7 +421,6 @@ def conversion_hyperparameters(name: str, *, optim_args: Any = None, target_modu
         >>> conversion_hyperparameters("galore_adamw", optim_args="rank=4", target_modules=["q_proj"])
         {'rank': 4, 'target_modules': ['q_proj']}
     """
-    from memwrap.plugin.optimizer_args import typed_optim_args
 
     spec = get_optimizer_spec(name)
     found = typed_optim_args(optim_args, spec.name, spec.optim_args)

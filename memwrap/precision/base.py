@@ -35,6 +35,8 @@ from torch import nn
 from memwrap.errors import closest_hint
 from memwrap.plugin.name_index import PluginCache, conflict_message, index_names
 from memwrap.runtime.outputs import map_outputs
+from memwrap.plugin.calls import call_hook
+from memwrap.plugin.manager import PluginContractError
 
 __all__ = [
     "Precision", "AutocastPrecision", "PrecisionRow", "PrecisionConflictError", "UnknownPrecisionError",
@@ -318,7 +320,6 @@ def _registry() -> _Registry:
 
 def _validate_result(result: Any) -> list[type[Precision]]:
     """A hook result as a list of valid Precision subclasses; raises PluginContractError otherwise."""
-    from memwrap.plugin.manager import PluginContractError
 
     classes = list(result or [])
     for cls in classes:
@@ -334,8 +335,6 @@ def _validate_result(result: Any) -> list[type[Precision]]:
 
 
 def _collect() -> _Registry:
-    from memwrap.plugin.calls import call_hook
-
     # Each implementation is called on its own (memwrap.plugin.calls), so one failing plugin does not hide the others.
     entries = [(cls, r.origin) for r in call_hook("memwrap_precisions", validate=_validate_result,
                                                   consequence="Its precisions are unavailable.")

@@ -24,18 +24,18 @@ SCALER_SETTINGS = ("init_scale", "growth_factor", "backoff_factor", "growth_inte
 SCALE_FLOOR = 1.0
 
 
-def check_scaler_option(settings: Any, precision: str) -> dict[str, Any] | None:
-    """Validate ``scaler=`` for a valid precision name; return it as a plain dict (``None`` when not given).
+def check_scaler_option(settings: Any, precision: str, uses_scaler: bool) -> dict[str, Any] | None:
+    """Validate ``scaler=`` for a valid precision name, whose mode scales the loss or not (``uses_scaler``, the
+    precision class's flag: this module sits below the precision registry); return it as a plain dict (``None``
+    when not given).
 
     Example:
-        >>> check_scaler_option({"init_scale": 1024, "growth_interval": 100}, "fp16")
+        >>> check_scaler_option({"init_scale": 1024, "growth_interval": 100}, "fp16", uses_scaler=True)
         {'init_scale': 1024.0, 'growth_interval': 100}
     """
     if settings is None:
         return None
-    from memwrap.precision.base import get_precision
-
-    if not get_precision(precision).uses_scaler:
+    if not uses_scaler:
         raise ValueError(
             f"scaler={settings!r} sets up the fp16 GradScaler, which is used only with precision='fp16' (or fp16=True). "
             "Fix: pass precision='fp16', or drop scaler= (the other precisions do not scale the loss)."

@@ -223,6 +223,7 @@ def feeds_by_layout(module: torch.nn.Module, micro: Any) -> bool:
     """
     import inspect
 
+    # import cost: memwrap.memory's package loads the planner.
     from memwrap.memory.tracing.batch import split_batch
 
     try:
@@ -283,6 +284,7 @@ class Feed:
     def call(self, micro: Any) -> Any:
         """``micro`` as the planner traces it: the model's arguments, and the entries the call does not use as the
         loss's targets (the one left, or a dict of them)."""
+        # import cost: memwrap.memory's package loads the planner.
         from memwrap.memory.tracing.batch import Call
 
         entries = dict(_tensors(micro))

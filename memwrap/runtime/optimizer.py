@@ -19,6 +19,7 @@ from memwrap.precision.loss_scale import SCALE_FLOOR
 from memwrap.runtime.gate import AccumulationGate
 from memwrap.state.checks import check_optimizer_state, class_name
 from memwrap.runtime.window_loss import WindowLoss
+from memwrap.integrations.accelerate import check_outer_accumulation
 
 __all__ = ["WrappedOptimizer", "check_params_in_model", "check_sparse_clipping"]
 
@@ -52,7 +53,6 @@ def _refuse_outer_accumulation(wrapped: WrappedOptimizer) -> None:
     stepping_in_backward = wrapped.__dict__.get("step_in_backward") is not None
     if wrapped.gate.accumulate == 1 and not stepping_in_backward:
         return
-    from memwrap.integrations.accelerate import check_outer_accumulation
 
     check_outer_accumulation(wrapped.optimizer, wrapped.gate.accumulate, stepping_in_backward, wrapper=wrapped)
 

@@ -36,6 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from memwrap.plugin.calls import FieldRule, call_hook, guard_fields
+from memwrap.plugin.manager import PluginContractError
+
 __all__ = ["LossHeadSpec", "LossHeadError", "linear_cross_entropy", "default_chunk_size", "loss_heads",
            "find_loss_head", "head_problem", "BoundLossHead", "IGNORE_INDEX"]
 
@@ -232,8 +235,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 # ----------------------------------------------------------------------------- the adapters
 
 def _validate(result: Any) -> list[LossHeadSpec]:
-    from memwrap.plugin.manager import PluginContractError
-
     if not isinstance(result, (list, tuple)) or not all(isinstance(s, LossHeadSpec) for s in result):
         raise PluginContractError(f"memwrap_loss_heads must return a list of memwrap.techniques.loss_head.LossHeadSpec, "
                                   f"got {result!r}")
@@ -247,7 +248,6 @@ def loss_heads() -> list[tuple[LossHeadSpec, str]]:
         >>> sorted(spec.name for spec, _ in loss_heads())  # doctest: +SKIP
         ['hf-causal-lm', 'zoo-lm']
     """
-    from memwrap.plugin.calls import FieldRule, call_hook, guard_fields
 
     # A matches() that fails counts as "not this adapter" (recorded and warned once); the others still match.
     rules = {"matches": FieldRule(check=lambda r: None if isinstance(r, bool) else

@@ -19,6 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memwrap.plugin.calls import plugin_failure_of
+from memwrap.plugin.manager import plugin_errors
+from memwrap.plugin.registry import OptimizerUnavailableError, create_optimizer, get_optimizer_spec, spec_plugin
+from memwrap.plugin.state_size import measure_state_bytes, predict_state_bytes
+
 
 __all__ = ["check_optimizer", "RegressionModel", "regression_batch", "CHECKS"]
 
@@ -89,7 +94,6 @@ def check_optimizer(name: str, *, device: str | torch.device = "cpu", steps: int
     Example:
         >>> check_optimizer("adamw", lr=1e-2)
     """
-    from memwrap.plugin.registry import OptimizerUnavailableError, get_optimizer_spec
 
     unknown = set(checks) - set(CHECKS)
     if unknown:
@@ -117,8 +121,6 @@ def check_optimizer(name: str, *, device: str | torch.device = "cpu", steps: int
             except AssertionError:
                 raise
             except Exception as exc:
-                from memwrap.plugin.calls import plugin_failure_of
-
                 failure = plugin_failure_of(exc)
                 if failure is None:
                     raise
@@ -127,9 +129,6 @@ def check_optimizer(name: str, *, device: str | torch.device = "cpu", steps: int
 
 
 def _check_plugin_failures(name, spec) -> None:
-    from memwrap.plugin.manager import plugin_errors
-    from memwrap.plugin.registry import spec_plugin
-
     plugin = spec_plugin(spec)
     mine = [e for e in plugin_errors() if e.name == plugin and (e.hook or "").startswith(f"{spec.name}.")]
     if mine:
@@ -137,14 +136,10 @@ def _check_plugin_failures(name, spec) -> None:
 
 
 def _create(name, model, hp):
-    from memwrap.plugin.registry import create_optimizer
-
     return create_optimizer(name, model.parameters(), model=model, **hp)
 
 
 def _check_spec(name, spec, **_):
-    from memwrap.plugin.registry import get_optimizer_spec
-
     for alias in spec.names:
         if get_optimizer_spec(alias) is not spec:
             raise _fail(name, "spec", f"alias {alias!r} resolves to another spec")
@@ -186,8 +181,6 @@ def _check_state_dict(name, spec, device, steps, seed, fresh, hp):
 
 
 def _check_state_bytes(name, spec, device, steps, seed, fresh, hp):
-    from memwrap.plugin.state_size import measure_state_bytes, predict_state_bytes
-
     model = fresh()
     predicted = predict_state_bytes(name, model, **hp)
     opt = _create(name, model, hp)
@@ -203,8 +196,6 @@ def _check_fake(name, spec, device, steps, seed, fresh, hp):
     if not spec.runs_on_fake:
         return
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from memwrap.plugin.state_size import predict_state_bytes
 
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):

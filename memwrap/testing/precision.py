@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memwrap.precision.base import get_precision_class, normalize_precision_name, precisions
+
 __all__ = ["check_precision", "PRECISION_CHECKS"]
 
 PRECISION_CHECKS = ("spec", "train", "memory", "accumulate", "restore")
@@ -57,7 +59,6 @@ def check_precision(name: str, *, seed: int = 0, steps: int = 30, checks: tuple[
         >>> check_precision("bf16")
     """
     import memwrap
-    from memwrap.precision.base import get_precision_class, normalize_precision_name, precisions
 
     unknown = set(checks) - set(PRECISION_CHECKS)
     if unknown:

@@ -21,12 +21,14 @@ from memwrap.plugin.manager import hookimpl
 
 
 def _matches(model) -> bool:
+    # import cost: the built-in models, needed only by presets.
     from memwrap.models import GPT, Llama
 
     return isinstance(model, (GPT, Llama))
 
 
 def _forward(model, args, kwargs, loss):
+    # import cost: the built-in models, needed only by presets.
     from memwrap.models import LMOutput
 
     bound = inspect.signature(model.forward).bind(*args, **kwargs)

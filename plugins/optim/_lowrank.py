@@ -23,6 +23,9 @@ from torch import nn
 
 from ._common import tensors_of
 
+from memwrap.errors import closest_hint
+from memwrap.plugin.optimizer_args import is_real
+
 __all__ = ["is_target", "low_rank_groups", "with_projector_state", "LayerwiseOptimizer", "projected_bytes",
            "encode_projectors", "decode_projectors", "attach_projections", "check_projection", "check_keywords"]
 
@@ -37,7 +40,6 @@ def check_projection(optimizer_name: str, hp: Mapping[str, Any], proj_types: tup
         ...
         ValueError: optimizer 'galore_adamw': rank=0 must be a whole number >= 1 (directions each target weight's gradient is projected on). Fix: e.g. rank=128.
     """
-    from memwrap.plugin.optimizer_args import is_real
 
     from ._common import check_choice, check_whole
 
@@ -58,8 +60,6 @@ def check_keywords(optimizer_name: str, hp: Mapping[str, Any], cls: type, own: t
     """Name a keyword neither the factory (``own``) nor ``cls``'s constructor takes, before it could go unnoticed
     (a misspelt ``target_modulez`` would otherwise surface as "needs target modules")."""
     import inspect
-
-    from memwrap.errors import closest_hint
 
     accepted = set(own) | {n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "params")}
     unknown = sorted(set(hp) - accepted)

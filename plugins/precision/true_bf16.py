@@ -42,6 +42,7 @@ from torch import nn
 
 from memwrap.plugin.manager import hookimpl
 from memwrap.precision.base import AutocastPrecision, cast_floating
+from memwrap.plugin.registry import ConversionWarning
 
 _HINTS = {
     "kahan": "compensation='kahan' needs torch-optimi: pip install 'memwrap[optimi]' (or pip install torch-optimi)",
@@ -155,7 +156,6 @@ class BF16True(AutocastPrecision):
             raise ValueError(f"precision='bf16-true' cannot convert {type(optimizer).__name__} to {target}: it already "
                              "holds state (it has stepped). Fix: wrap right after building the optimizer.")
         new = _build(optimizer, target, step_in_backward)
-        from memwrap.plugin.registry import ConversionWarning
 
         warnings.warn(f"precision='bf16-true': {type(optimizer).__name__} converted to {target} "
                       f"({'kahan_sum=True' if mode == 'kahan' else 'bf16_stochastic_round=True'}), each group's "

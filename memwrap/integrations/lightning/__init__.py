@@ -14,6 +14,7 @@ __all__ = ["MemwrapCallback"]
 def __getattr__(name: str) -> Any:
     if name != "MemwrapCallback":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from memwrap.integrations.lightning import callback  # PEP 562: Lightning is imported only when the class is used
+    # PEP 562, optional dependency: Lightning is imported only when the class is used.
+    from memwrap.integrations.lightning import callback
 
     return callback.MemwrapCallback

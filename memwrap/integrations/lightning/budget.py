@@ -18,11 +18,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from memwrap.runtime.batch_split import batch_size
+
 __all__ = ["check_budget", "plan_lightning_split", "check_micro_batch"]
 
 
 def check_budget(budget: Any, batch: Any, margin: Any) -> None:
     """The callback's budget arguments, checked at construction (raise naming the fix)."""
+    # import cost: memwrap.memory's package loads the planner.
     from memwrap.memory.budget import parse_budget
 
     if budget is None or batch is None:
@@ -31,6 +34,7 @@ def check_budget(budget: Any, batch: Any, margin: Any) -> None:
                          + (" (margin= applies to budget=)" if budget is None and margin is not None else "") + ".")
     parse_budget(budget, what="budget")
     if margin is not None:
+        # import cost: memwrap.memory's package loads the planner.
         from memwrap.memory.search.planner import Margin
 
         Margin.parse(margin)
@@ -45,6 +49,7 @@ def _precision(trainer: Any) -> str:
 
 def plan_lightning_split(callback: Any, trainer: Any, pl_module: Any) -> Any:
     """Plan, then set ``trainer.accumulate_grad_batches``; returns the BudgetChoice."""
+    # import cost: it loads the planner.
     from memwrap.techniques.budget.static import UNSET, plan_split
 
     checkpoint = UNSET if callback.checkpoint is None else callback.checkpoint
@@ -59,7 +64,6 @@ def plan_lightning_split(callback: Any, trainer: Any, pl_module: Any) -> Any:
 
 def check_micro_batch(callback: Any, batch: Any) -> None:
     """Refuse a training batch larger than the planned micro-batch (the DataLoader was built without it)."""
-    from memwrap.runtime.batch_split import batch_size
 
     n = batch_size(batch)
     if n > callback.micro_batch:

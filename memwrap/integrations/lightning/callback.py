@@ -31,6 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from memwrap.checkpointing.apply import apply_checkpointing, parse_checkpoint_option
+from memwrap.plugin.registry import OptimizerUnavailableError, convert_optimizer, get_optimizer_spec
+from memwrap.runtime.distributed import check_sharded_optimizer
+
 __all__ = ["MemwrapCallback"]
 
 
@@ -117,9 +121,6 @@ class _Converter:
         return value
 
     def _convert(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        from memwrap.runtime.distributed import check_sharded_optimizer
-        from memwrap.plugin.registry import convert_optimizer
-
         if id(optimizer) not in self.converted:
             with _unfused(optimizer) if self.unfused else contextlib.nullcontext():
                 new = convert_optimizer(optimizer, self.optim, model=self.model)
@@ -191,8 +192,6 @@ def _track_steps(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _apply_checkpoint(module: nn.Module, checkpoint: Any, after: str = "setup") -> Any:
-    from memwrap.checkpointing.apply import apply_checkpointing, parse_checkpoint_option
-
     how = parse_checkpoint_option(checkpoint)
     if how is None:
         return None
@@ -208,8 +207,6 @@ def _check_available(spec: Any) -> None:
     # As create_optimizer would, but when the callback is built rather than in the middle of fit().
     ok, hint = spec.available()
     if not ok:
-        from memwrap.plugin.registry import OptimizerUnavailableError
-
         raise OptimizerUnavailableError(f"optimizer {spec.name!r} is not available: {hint}")
 
 
@@ -250,6 +247,7 @@ class _MemwrapCallback:
                  margin: Any = None):
         super().__init__()
         if budget is not None or batch is not None or margin is not None:
+            # optional dependency: Lightning, imported by that module.
             from memwrap.integrations.lightning.budget import check_budget
 
             check_budget(budget, batch, margin)  # a bad budget fails now, not at fit()
@@ -257,14 +255,10 @@ class _MemwrapCallback:
         self.budget_plan = None  # set at fit(): the memwrap.techniques.budget.plan.BudgetChoice
         self.micro_batch: int | None = None  # the batch size the train DataLoader must use under budget=
         if optim is not None:
-            from memwrap.plugin.registry import get_optimizer_spec
-
             spec = get_optimizer_spec(optim)  # unknown names fail now, listing the valid ones
             _check_available(spec)  # so does a missing backend, with its install command
             optim = spec.name
         if checkpoint is not None and checkpoint is not False:
-            from memwrap.checkpointing.apply import parse_checkpoint_option
-
             parse_checkpoint_option(checkpoint)  # bad options fail now, not at fit()
         self.checkpoint = checkpoint
         self.optim = optim
@@ -309,6 +303,7 @@ class _MemwrapCallback:
     def _checkpoint(self, pl_module: nn.Module, hook: str, result: Any, trainer: Any = None) -> Any:
         checkpoint = self.checkpoint
         if self.budget is not None:  # plan the split now that the network exists (memwrap.integrations.lightning.budget)
+            # optional dependency: Lightning, imported by that module.
             from memwrap.integrations.lightning.budget import plan_lightning_split
 
             self.budget_plan = plan_lightning_split(self, trainer, pl_module)
@@ -320,6 +315,7 @@ class _MemwrapCallback:
 
     def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int) -> None:
         if self.budget_plan is not None:
+            # optional dependency: Lightning, imported by that module.
             from memwrap.integrations.lightning.budget import check_micro_batch
 
             check_micro_batch(self, batch)

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from memwrap.plugin.registry import get_optimizer_spec
+from memwrap.runtime.batch_split import batch_size
+
 __all__ = ["plan_trainer_split"]
 
 
 def plan_trainer_split(model: Any, args: Any, budget: Any, batch: Any, margin: Any, checkpoint: Any,
                        optim: str | None) -> Any:
     """The :class:`~memwrap.techniques.budget.plan.BudgetChoice` for Trainer (nothing is changed here)."""
-    from memwrap.runtime.batch_split import batch_size
+    # import cost: it loads the planner.
     from memwrap.techniques.budget.static import UNSET, plan_split
-    from memwrap.plugin.registry import get_optimizer_spec
 
     if budget is None or batch is None:
         raise ValueError("memwrap_trainer_kwargs plans the batch split from budget= and a sample batch: give both, "

@@ -31,6 +31,13 @@ import torch
 from torch import nn
 
 from memwrap.config.training_args import plain_value
+from memwrap.checkpointing.apply import apply_checkpointing, current_report, parse_checkpoint_option
+from memwrap.config.options import options_from, parse_options
+from memwrap.integrations.transformers.budget import plan_trainer_split
+from memwrap.plugin.registry import (ConversionWarning, OptimizerUnavailableError, UnknownOptimizerError,
+                                     create_optimizer, get_optimizer_spec)
+from memwrap.runtime.distributed import check_sharded_optimizer
+from memwrap.runtime.module import WrappedModule
 
 __all__ = ["memwrap_trainer_kwargs", "memwrap_optimizer_class", "wrap_options", "checkpoint_report",
            "trainer_hyperparameters", "trainer_param_groups", "trainer_optimizer"]
@@ -60,7 +67,6 @@ def memwrap_optimizer_class(optim: str, model: nn.Module | None = None) -> type[
         >>> type(cls(nn.Linear(2, 2).parameters(), lr=0.1)).__name__
         'AdamW'
     """
-    from memwrap.plugin.registry import get_optimizer_spec
 
     spec = get_optimizer_spec(optim)  # unknown names fail now, listing the valid ones
 
@@ -68,9 +74,6 @@ def memwrap_optimizer_class(optim: str, model: nn.Module | None = None) -> type[
         __doc__ = f"Builds memwrap optimizer {spec.name!r} (see memwrap_optimizer_class)."
 
         def __new__(cls, params: Any, **hyperparameters: Any) -> torch.optim.Optimizer:
-            from memwrap.runtime.distributed import check_sharded_optimizer
-            from memwrap.plugin.registry import create_optimizer
-
             optimizer = create_optimizer(spec.name, params, model=model, **hyperparameters)
             check_sharded_optimizer(optimizer)  # FSDP in Trainer: clear error instead of a kernel failure
             return optimizer
@@ -91,7 +94,6 @@ def trainer_hyperparameters(args: Any, optim: str | None = None) -> dict[str, An
         >>> opt = memwrap.create_optimizer(args.optim, trainer_param_groups(model, args), model=model,  # doctest: +SKIP
         ...                                **trainer_hyperparameters(args))
     """
-    from memwrap.plugin.registry import get_optimizer_spec
 
     name = _key(optim if optim is not None else getattr(args, "optim", None))
     spec = get_optimizer_spec(name)
@@ -121,8 +123,6 @@ def trainer_param_groups(model: nn.Module, args: Any, optim: str | None = None) 
     """
     from transformers import Trainer
 
-    from memwrap.plugin.registry import get_optimizer_spec
-
     spec = get_optimizer_spec(_key(optim if optim is not None else getattr(args, "optim", None)))
     if spec.needs_model:
         return model
@@ -143,7 +143,6 @@ def trainer_optimizer(model: nn.Module, args: Any, optim: str | None = None, **o
         >>> optimizer = trainer_optimizer(model, args)  # doctest: +SKIP
         >>> model, optimizer = memwrap.wrap(model, optimizer, accumulate=args.gradient_accumulation_steps)  # doctest: +SKIP
     """
-    from memwrap.plugin.registry import create_optimizer
 
     name = _key(optim if optim is not None else getattr(args, "optim", None))
     return create_optimizer(name, trainer_param_groups(model, args, name), model=model,
@@ -174,7 +173,6 @@ def _unscheduled_layerwise(name: str, args: Any) -> str | None:
 
 def _trainer_equivalent(args: Any) -> Any:
     """memwrap's spec for ``args.optim`` when memwrap builds Trainer's optimizer for it, else None."""
-    from memwrap.plugin.registry import UnknownOptimizerError, get_optimizer_spec
 
     name = _key(getattr(args, "optim", None))
     if name in _NOT_TAKEN_OVER or _unscheduled_layerwise(name, args) is not None:
@@ -200,7 +198,6 @@ def _keep_trainer_optimizer_warning(args: Any, checkpointing: bool) -> None:
 
 def _differs_from_trainer(optim: str, spec: Any, args: Any) -> None:
     """Warn when an explicit ``optim`` is not what Trainer builds under that name, or its lr means something else."""
-    from memwrap.plugin.registry import ConversionWarning
 
     name = _key(optim)
     layerwise = _unscheduled_layerwise(name, args)
@@ -262,7 +259,6 @@ def memwrap_trainer_kwargs(model: nn.Module, args: Any = None, *, optim: str | N
     _check_args(args, checkpoint)
     choice = None
     if budget is not None or batch is not None or margin is not None:  # plan only: the args change below
-        from memwrap.integrations.transformers.budget import plan_trainer_split
 
         choice = plan_trainer_split(model, args, budget, batch, margin, checkpoint, optim)
         hf_checkpointing = any(getattr(args, n, False) for n in ("activation_checkpointing", "gradient_checkpointing"))
@@ -274,8 +270,6 @@ def memwrap_trainer_kwargs(model: nn.Module, args: Any = None, *, optim: str | N
         args.per_device_train_batch_size, args.gradient_accumulation_steps = choice.micro_batch, choice.accumulate
         model.__dict__["memwrap_budget_plan"] = choice
     if checkpoint is not None and checkpoint is not False:
-        from memwrap.checkpointing.apply import apply_checkpointing, parse_checkpoint_option
-
         how = parse_checkpoint_option(checkpoint)
         if how is not None:
             apply_checkpointing(model, **how)
@@ -293,7 +287,6 @@ def checkpoint_report(model: nn.Module) -> Any:
         >>> print(checkpoint_report(model))  # doctest: +SKIP
         checkpointed 2 module(s) (LlamaDecoderLayer x2); policy=auto, mode=full, every=1, offload=False: ...
     """
-    from memwrap.checkpointing.apply import current_report
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"checkpoint_report() takes the model given to memwrap_trainer_kwargs(), got "
@@ -303,8 +296,6 @@ def checkpoint_report(model: nn.Module) -> Any:
 
 def _optimizer_kwargs(model: nn.Module, args: Any, optim: str | None, checkpoint: Any,
                       overrides: dict[str, Any]) -> dict[str, Any]:
-    from memwrap.plugin.registry import OptimizerUnavailableError, get_optimizer_spec
-
     if optim is not None:
         spec = get_optimizer_spec(optim)
         name = _key(optim)
@@ -331,8 +322,6 @@ def _optimizer_kwargs(model: nn.Module, args: Any, optim: str | None, checkpoint
 
 
 def _check_model(model: Any) -> None:
-    from memwrap.runtime.module import WrappedModule
-
     # Trainer accumulates, scales and clips itself: a wrap()'ped model (with its wrapped optimizer) would do it
     # a second time, e.g. one real update per gradient_accumulation_steps**2 micro-batches.
     if isinstance(model, WrappedModule):
@@ -376,7 +365,6 @@ def wrap_options(args: Any, **overrides: Any) -> dict[str, Any]:
         >>> wrap_options(SimpleNamespace(gradient_accumulation_steps=8, fp16=True, optim="adamw_bnb_8bit"))
         {'gradient_accumulation_steps': 8, 'fp16': True, 'optim': 'adamw_bnb_8bit'}
     """
-    from memwrap.config.options import options_from, parse_options
 
     # options_from's warning names the caller of options_from: re-issued from here, it names the caller of this one.
     with warnings.catch_warnings(record=True) as caught:

@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from memwrap.memory.budget import format_bytes, parse_budget
+from memwrap.memory.budget import format_bytes, parse_budget, unit_for
 from memwrap.memory.search.cost import cost_terms
 from memwrap.memory.tracing.estimator import Estimate, derive, finish, resolve_model, trace_config
 from memwrap.memory.margin import Margin
@@ -33,6 +33,10 @@ from memwrap.memory.search.ranking import _approximates, rank
 from memwrap.memory.search.space import (DEFAULT_CHECKPOINTS, DEFAULT_PRECISIONS, AsBuilt, _checkpoint_spec,
                                          _expand, _smaller_state, _updates_in_backward_refusals, _validate,
                                          default_checkpoints, default_optimizers, plan_values)
+
+from memwrap.plugin.registry import _registry, get_optimizer_spec
+from memwrap.precision.base import get_precision_class
+from memwrap.memory.search.report import plan_table
 
 __all__ = ["Candidate", "Margin", "Plan", "plan", "rank", "DEFAULT_PRECISIONS", "DEFAULT_CHECKPOINTS",
            "default_optimizers", "default_checkpoints"]
@@ -77,8 +81,10 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        layout = f"{self.estimate.strategy}x{self.estimate.world_size} " if self.estimate.strategy else ""
+        # Import floor: at module level the planner would stand on a ninth (planner -> techniques -> estimator ->
+        # the plugin registry's four); see docs/architecture.md.
         from memwrap.memory.search.techniques import technique_tags
+        layout = f"{self.estimate.strategy}x{self.estimate.world_size} " if self.estimate.strategy else ""
 
         return (f"{layout}{self.micro_batch}x{self.accumulate} {self.precision} {self.checkpoint or 'no-ckpt'} "
                 f"{self.optim}{technique_tags(self.extra)}")
@@ -111,7 +117,6 @@ class Plan:
     def unit(self) -> tuple[str, int]:
         """The one memory unit of this plan's report (table, header, verdict): the largest unit in which the
         biggest predicted peak is at least 1, so a small model does not read 0.00 everywhere."""
-        from memwrap.memory.budget import unit_for
 
         return unit_for(max((c.estimate.peak for c in self.candidates), default=0))
 
@@ -155,6 +160,7 @@ class Plan:
                     f"your setup, or free memory.")
         s = self.smallest
         cat = s.estimate.dominant
+        # import cost: sharded planning (torch.distributed's trackers), needed only with world_size > 1.
         from memwrap.memory.sharded.plan import sharded_advice
 
         advice = sharded_advice(s, cat) or {
@@ -203,6 +209,7 @@ class Plan:
     @property
     def layouts(self) -> list[dict[str, Any]]:
         """Per (world_size, strategy) planned: whether a candidate fits, and which (see memwrap.memory.sharded.plan)."""
+        # import cost: sharded planning (torch.distributed's trackers), needed only with world_size > 1.
         from memwrap.memory.sharded.plan import layout_summary
 
         return layout_summary(self)
@@ -211,6 +218,7 @@ class Plan:
     def sharding(self) -> str:
         """Which world sizes and strategies fit, e.g. 'fits on 4 GPUs with FSDP2; not on 4 GPUs with DDP (...)'
         ('' for a single-process plan)."""
+        # import cost: sharded planning (torch.distributed's trackers), needed only with world_size > 1.
         from memwrap.memory.sharded.plan import sharding_verdict
 
         return sharding_verdict(self)
@@ -221,6 +229,7 @@ class Plan:
         Example:
             >>> p.with_budget("80GiB").best  # doctest: +SKIP
         """
+        # import cost: sharded planning (torch.distributed's trackers), needed only with world_size > 1.
         from memwrap.memory.sharded.plan import fewest_gpus_first
 
         margin_ = Margin.parse(margin) if margin is not None else self.margin
@@ -235,6 +244,7 @@ class Plan:
         c = self.best or self.smallest
         note = "" if self.best is not None else " (does NOT fit: the smallest peak found)"
         if c.estimate.strategy:  # the launcher and fully_shard/DDP lines too (memwrap.memory.sharded.plan)
+            # import cost: sharded planning (torch.distributed's trackers), needed only with world_size > 1.
             from memwrap.memory.sharded.plan import sharded_code
 
             return sharded_code(c, self.global_batch, model, optimizer) + note
@@ -252,8 +262,6 @@ class Plan:
                 "candidates": [c.to_dict() for c in self.candidates]}
 
     def __str__(self) -> str:
-        from memwrap.memory.search.report import plan_table
-
         return plan_table(self)
 
 
@@ -304,7 +312,9 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
         ...          global_batch=64)  # doctest: +SKIP
         >>> print(p.code())  # doctest: +SKIP
     """
-    from memwrap.plugin.registry import get_optimizer_spec
+    # Import floor: at module level the planner would stand on a ninth (planner -> techniques -> estimator ->
+    # the plugin registry's four); see docs/architecture.md.
+    from memwrap.memory.search.techniques import default_precisions, expand_techniques, family, over_budget, prune_by_weights, state_floor, technique_values, trace_options, traced_as
 
     start = time.perf_counter()
     budget_bytes = parse_budget(budget)
@@ -316,8 +326,6 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
     margin_ = Margin.parse(margin)
     keep = _keep_optim(keep_optim, model)
     if keep_precision is not None:
-        from memwrap.precision.base import get_precision_class
-
         if not isinstance(keep_precision, str):
             raise TypeError(f"plan(keep_precision={keep_precision!r}) must be a precision name such as 'fp32', or "
                             "None (any precision).")
@@ -336,6 +344,7 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
             raise TypeError(f"plan({what}={fn!r}) must be a callable or None.")
     if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))):
         raise TypeError(f"plan(max_grad_norm={max_grad_norm!r}) must be a number (the clipping norm) or None.")
+    # import cost: sharded planning (torch.distributed's trackers), needed only with world_size > 1.
     from memwrap.memory.sharded.plan import layouts, plan_layouts, refused_specs
 
     shardings = layouts(world_size, strategy, global_batch, micro_batches)
@@ -366,8 +375,6 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
     (ranks, strategy_), = shardings
     per_rank = global_batch // ranks  # the global batch is fixed: micro-batch x accumulate x world_size
     module = resolve_model(model)
-    from memwrap.memory.search.techniques import (default_precisions, expand_techniques, family, over_budget,
-                                           prune_by_weights, state_floor, technique_values, trace_options, traced_as)
 
     if precisions is None:  # your precision is kept unless you list others (or keep_precision=None: any)
         precisions = (keep_precision,) if keep_precision is not None else default_precisions()
@@ -503,7 +510,6 @@ def _tracing_label(mb: int, precision: str, spec: dict, optims: list[str], ranks
 def _keep_optim(keep_optim: Any, model: Any) -> str | None:
     """The optimizer the plan keeps: None, a registry name (an alias names the same maths), or your optimizer itself,
     planned as built (:class:`memwrap.memory.search.space.AsBuilt`: class, param groups, hyperparameters)."""
-    from memwrap.plugin.registry import get_optimizer_spec
 
     if keep_optim is None or isinstance(keep_optim, AsBuilt):
         return keep_optim
@@ -530,7 +536,6 @@ def _keep_note(keep: str | None, specs: list[dict], results: list[Candidate], fl
 
 def _origin(optim: str) -> str:
     """Which plugin registered ``optim``, for messages."""
-    from memwrap.plugin.registry import _registry
 
     try:
         return next(origin for spec, origin in _registry().entries if spec.name == optim)

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from memwrap.memory.margin import Margin
+from memwrap.plugin.registry import get_optimizer_spec
+from memwrap.precision.base import get_precision, get_precision_class
 
 __all__ = ["rank"]
 
@@ -61,7 +63,6 @@ def rank(candidates: list[Any], budget: int, margin: Margin, *, keep_optim: str 
 
 def _approximates(optim: str) -> str | None:
     """The optimizer ``optim``'s spec says it approximates (``OptimizerSpec.approximates``), or None."""
-    from memwrap.plugin.registry import get_optimizer_spec
 
     try:
         return get_optimizer_spec(optim).approximates
@@ -71,7 +72,6 @@ def _approximates(optim: str) -> str | None:
 
 def _precision_effect(precision: str) -> str:
     """How a precision changes the maths, for ``changes``: its plugin's storage dtype and autocast."""
-    from memwrap.precision.base import get_precision
 
     try:
         mode = get_precision(precision)
@@ -87,7 +87,6 @@ def _precision_effect(precision: str) -> str:
 
 def _canonical(precision: str) -> str:
     """A precision alias's registered name (``"bf16-mixed"`` -> ``"bf16"``), or the name itself if unknown."""
-    from memwrap.precision.base import get_precision_class
 
     try:
         return get_precision_class(precision).name

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from memwrap.memory.budget import format_bytes, unit_for
+
 __all__ = ["plan_rows", "plan_table", "plan_legend", "print_plan", "plot_plan", "gib", "table_unit", "TABLE_COLUMNS"]
 
 # Device memory at the peak by category, the peak and margin, then what the step keeps off the device (not in the
@@ -34,7 +36,6 @@ def table_unit(plan: Any) -> tuple[str, int]:
         >>> table_unit(NS(candidates=[NS(estimate=NS(peak=300 * 2**20))]))
         ('MiB', 1048576)
     """
-    from memwrap.memory.budget import unit_for
 
     return unit_for(max((max(c.estimate.peak, _off_device_state(c.estimate), getattr(c.estimate, "offloaded", 0))
                          for c in plan.candidates), default=0))
@@ -47,7 +48,6 @@ def _off_device_state(estimate: Any) -> int:
 
 def _in(plan: Any, n: int | float) -> str:
     """``n`` bytes in the plan's unit, with the unit: ``'8192.00 MiB'``."""
-    from memwrap.memory.budget import format_bytes
 
     return format_bytes(n, unit=table_unit(plan)[0])
 

@@ -12,6 +12,11 @@ from typing import Any
 
 import torch
 
+from memwrap.checkpointing.policies import plugin_policies
+from memwrap.config.options import parse_options
+from memwrap.plugin.registry import get_optimizer_spec, optimizers
+from memwrap.precision.base import get_precision
+
 __all__ = ["DEFAULT_PRECISIONS", "DEFAULT_CHECKPOINTS", "default_optimizers", "default_checkpoints", "AsBuilt"]
 
 DEFAULT_PRECISIONS = ("bf16", "fp32")
@@ -27,7 +32,6 @@ def default_optimizers() -> tuple[str, ...]:
         >>> "adamw" in default_optimizers()
         True
     """
-    from memwrap.plugin.registry import optimizers
 
     return tuple(r.name for r in optimizers() if r.available)
 
@@ -36,7 +40,6 @@ def _smaller_state(keep: str) -> tuple[str, ...]:
     """``keep`` and the installed optimizers that can need less device memory than it: less state per parameter,
     or paged/host state. When ``keep`` fits nowhere these are the only optimizers that could fit, so the others
     are not traced (a larger state can only add memory)."""
-    from memwrap.plugin.registry import optimizers
 
     rows = [r for r in optimizers() if r.available]
     own = next((r.state_bytes_per_param for r in rows if r.name == keep), float("inf"))
@@ -97,7 +100,6 @@ def registry_name(optimizer: Any) -> str:
         >>> registry_name(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
         'sgd'
     """
-    from memwrap.plugin.registry import get_optimizer_spec
 
     name = type(optimizer).__name__.lower()
     for guess in (name, {"adam": "adamw"}.get(name)):
@@ -117,7 +119,6 @@ def default_checkpoints() -> tuple[Any, ...]:
         >>> default_checkpoints()[:2]
         (None, 'selective')
     """
-    from memwrap.checkpointing.policies import plugin_policies
 
     return DEFAULT_CHECKPOINTS + tuple(sorted(plugin_policies()))
 
@@ -194,8 +195,6 @@ def _updates_in_backward_refusals(specs: list[dict], per_rank: int, max_grad_nor
     """Drop optimizers that update inside backward (LOMO, layer-wise GaLore) where wrap() refuses them: with
     accumulation, clipping, fp16 loss scaling or several ranks. Returned as ``(label, why)`` like the other skipped
     rows."""
-    from memwrap.precision.base import get_precision
-    from memwrap.plugin.registry import get_optimizer_spec
 
     keep, skipped = [], []
     for s in specs:
@@ -217,7 +216,6 @@ def _updates_in_backward_refusals(specs: list[dict], per_rank: int, max_grad_nor
 def _validate(specs: list[dict], max_grad_norm: float | None) -> None:
     """Reject invalid options before tracing, with wrap()'s own messages: a typo ("fulll", "fp8") must
     fail the plan, not be reported as a policy that "cannot run on this model"."""
-    from memwrap.config.options import parse_options
 
     seen = set()
     for s in specs:

@@ -25,6 +25,12 @@ from typing import Any
 
 import torch
 
+from memwrap.memory.budget import format_bytes
+from memwrap.memory.tracing.estimator import derive, finish
+from memwrap.plugin.registry import create_optimizer, get_optimizer_spec
+from memwrap.precision.base import UnknownPrecisionError, get_precision, get_precision_class, precision_names
+from memwrap.techniques.loss_head import LossHeadError, find_loss_head
+
 __all__ = ["default_precisions", "technique_values", "expand_techniques", "compensation_for", "technique_tags",
            "traced_as", "family", "state_floor"]
 
@@ -36,7 +42,6 @@ def default_precisions() -> tuple[str, ...]:
         >>> default_precisions()  # doctest: +SKIP
         ('bf16', 'bf16-true', 'fp16', 'fp32', 'tf32')
     """
-    from memwrap.precision.base import precision_names
 
     return tuple(precision_names())
 
@@ -65,7 +70,6 @@ def technique_values(module: torch.nn.Module, make_batch: Callable[[int], Any], 
         notes.append("chunked_loss not searched: wrap() refuses it under DDP/FSDP2 (the loss head calls the "
                      "model's body directly, around the wrapper's forward).")
         return sib, (False,), notes
-    from memwrap.techniques.loss_head import LossHeadError, find_loss_head
 
     try:
         find_loss_head(module)
@@ -88,8 +92,6 @@ def compensation_for(precision: str, optim: str) -> str | None:
         >>> compensation_for("bf16-true", "adamw"), compensation_for("bf16-true", "paged_adamw_8bit")  # doctest: +SKIP
         (None, 'none')
     """
-    from memwrap.precision.base import get_precision_class
-    from memwrap.plugin.registry import create_optimizer, get_optimizer_spec
 
     cls = get_precision_class(precision)
     if "none" not in cls.compensations:
@@ -113,8 +115,6 @@ def expand_techniques(specs: list[dict], sibs: tuple[bool, ...], chunks: tuple[A
         ...                   (False, True), (False,), max_grad_norm=None, ranks=1)[1][0][1]  # doctest: +SKIP
         'step_in_backward with fp16: loss scaling needs every gradient before any update'
     """
-    from memwrap.precision.base import get_precision_class
-    from memwrap.plugin.registry import get_optimizer_spec
 
     out, refused = [], []
     for s in specs:
@@ -186,7 +186,6 @@ def trace_options(spec: dict) -> dict[str, Any]:
 
 def weight_bytes(module: torch.nn.Module, precision: str) -> int:
     """Bytes of the weights once stored by ``precision`` (its plugin's ``memory_per_param``; meta tensors work)."""
-    from memwrap.precision.base import get_precision
 
     mode = get_precision(precision)
     seen, total = set(), 0
@@ -209,7 +208,6 @@ def prune_by_weights(groups: dict, module: torch.nn.Module, budget: int, margin:
         >>> why[0][1]  # doctest: +SKIP
         'not traced: the weights alone take 25.10 GiB in fp32 (+ margin 3.01 GiB) > budget 24.00 GiB'
     """
-    from memwrap.memory.budget import format_bytes
 
     if ranks > 1:
         return groups, []
@@ -238,8 +236,6 @@ def over_budget(base: Any, optim: str, module: torch.nn.Module, options: dict, b
     """
     import dataclasses
 
-    from memwrap.memory.tracing.estimator import derive, finish
-
     low = derive(base, optim, module, force=True)
     if low is None:
         return None
@@ -259,7 +255,6 @@ def traced_as(precision: str) -> str:
         >>> traced_as("tf32"), traced_as("fp16"), traced_as("bf16-true")
         ('fp32', 'bf16', 'bf16-true')
     """
-    from memwrap.precision.base import UnknownPrecisionError, get_precision_class
 
     seen = []
     cls = get_precision_class(precision)

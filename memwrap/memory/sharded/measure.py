@@ -34,6 +34,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from memwrap.memory.measure import _run_update, _to
+from memwrap.memory.tracing.batch import default_loss
+from memwrap.memory.tracing.trace import find_stack
+from memwrap.plugin.registry import create_optimizer
+
 __all__ = ["measure_rank_peak"]
 
 
@@ -77,8 +82,8 @@ def _total_now() -> int:
 
 
 def _build(factory: Callable[[], nn.Module], strategy: str, device: torch.device) -> nn.Module:
+    # import cost: sharded planning (torch.distributed's trackers), needed only with world_size > 1.
     from memwrap.memory.sharded.trace import _shard
-    from memwrap.memory.tracing.trace import find_stack
 
     model = factory().to(device)
     if strategy == "fsdp2":
@@ -102,9 +107,6 @@ def measure_rank_peak(factory: Callable[[], nn.Module], make_batch: Callable[[],
     import torch.distributed as dist
 
     import memwrap
-    from memwrap.memory.tracing.batch import default_loss
-    from memwrap.memory.measure import _run_update, _to
-    from memwrap.plugin.registry import create_optimizer
 
     if device is None and torch.cuda.is_available():
         device = f"cuda:{torch.cuda.current_device()}"  # the rank's GPU (torch.cuda.set_device(LOCAL_RANK))

@@ -38,6 +38,7 @@ def layouts(world_size: Any, strategy: Any, global_batch: int,
     Raises ``ValueError`` naming the fix for a world size < 1, an unknown strategy, a strategy this
     torch cannot run, or a global batch that ``world_size`` (times a given micro-batch) does not divide.
     """
+    # import cost: sharded planning (torch.distributed's trackers), needed only with world_size > 1.
     from memwrap.memory.sharded.trace import STRATEGIES, check_sharding
 
     sizes = _as_list(world_size)
@@ -201,6 +202,7 @@ def refused_specs(specs: list[dict], world_size: int, strategy: str | None) -> t
     """Split ``specs`` into those FSDP2 can run and ``(label, why)`` for the optimizers it refuses."""
     if strategy != "fsdp2":
         return specs, []
+    # import cost: sharded planning (torch.distributed's trackers), needed only with world_size > 1.
     from memwrap.memory.sharded.trace import fsdp2_refusals
 
     refused = fsdp2_refusals([s["optim"] for s in specs], world_size)

@@ -50,6 +50,9 @@ from torch.utils._pytree import tree_flatten
 from memwrap.memory.tracing.trace import (
     SegmentMixin, Stack, TraceResult, _offload_to_host, _precision, _state, _to_fake, default_loss, drive_step, truncated,
 )
+from memwrap.errors import closest_hint
+from memwrap.plugin.registry import create_optimizer
+from memwrap.runtime.distributed import check_sharded_optimizer
 
 __all__ = ["STRATEGIES", "SHARDED_CATEGORIES", "check_sharding", "fake_process_group", "run_fsdp2_trace",
            "ddp_bucket_bytes", "with_gradient_buckets", "sharding_refusal", "fsdp2_refusals"]
@@ -102,8 +105,6 @@ def check_sharding(world_size: Any, strategy: Any) -> tuple[int, str | None]:
                              f"strategy='fsdp2' (shard parameters, gradients, optimizer state) or 'ddp' (replicate).")
         return world_size, None
     if not isinstance(strategy, str) or strategy.lower() not in STRATEGIES:
-        from memwrap.errors import closest_hint
-
         hint = closest_hint(strategy.lower() if isinstance(strategy, str) else strategy, STRATEGIES)
         raise ValueError(f"unknown strategy {strategy!r}.{hint} Valid strategies: {', '.join(STRATEGIES)}.")
     strategy = strategy.lower()
@@ -202,8 +203,6 @@ def sharding_refusal(optimizer: str, mesh) -> str | None:
     too: memwrap plans under FSDP2 only the optimizers it has seen step DTensor shards (measured:
     APOLLO, planned before this rule, fails its first FSDP2 step with "mixed torch.Tensor and DTensor").
     """
-    from memwrap.runtime.distributed import check_sharded_optimizer
-    from memwrap.plugin.registry import create_optimizer
 
     # A real layer (256 KiB): optimizer constructors and steps may read values, which fake tensors cannot. 256 wide,
     # so block-wise quantizers quantize its shards (torchao keeps a 64x64 layer in fp32), and a named child, so

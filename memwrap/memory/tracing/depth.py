@@ -23,6 +23,8 @@ import torch  # noqa: F401  (the doctest builds on the meta device)
 from torch import nn
 
 from memwrap.memory.tracing.trace import Stack, truncated
+from memwrap.checkpointing.apply import resolve_policy
+from memwrap.checkpointing.policies import parse_checkpoint_option, select_modules
 
 __all__ = ["checkpoint_layout", "extrapolation_depths"]
 
@@ -31,8 +33,6 @@ def _selection(options: dict[str, Any]) -> tuple[Any, int] | None:
     ckpt = options.get("checkpoint")
     if ckpt is None or ckpt is False:
         return None
-    from memwrap.checkpointing.policies import parse_checkpoint_option
-    from memwrap.checkpointing.apply import resolve_policy  # plugin names resolved exactly as apply_checkpointing does
 
     how = parse_checkpoint_option(ckpt)
     policy, every, _, _ = resolve_policy(how["policy"], how.get("every", 1), how.get("mode", "full"),
@@ -50,7 +50,6 @@ def checkpoint_layout(model: nn.Module, stack: Stack, options: dict[str, Any],
     n = stack.length if depth is None else depth
     if sel is None:
         return frozenset(), (frozenset(),) * n
-    from memwrap.checkpointing.policies import select_modules
 
     policy, every = sel
     with truncated(model, stack, depth):

@@ -32,6 +32,10 @@ from torch import nn
 from memwrap.memory.budget import format_bytes
 from memwrap.memory.tracing.depth import extrapolation_depths
 from memwrap.memory.tracing.trace import Segment, Stack, TraceResult, find_stack, run_trace
+from memwrap.config.options import parse_options
+from memwrap.plugin.registry import create_optimizer, get_optimizer_spec
+from memwrap.plugin.state_size import predict_state_bytes
+from memwrap.precision.base import get_precision
 
 __all__ = ["Estimate", "estimate", "Trace", "trace_config", "derive", "resolve_model", "resolve_batch"]
 
@@ -103,7 +107,6 @@ def _optimizer_factory(name: str | None):
         return None
     if callable(getattr(name, "build", None)):  # the user's own optimizer as built (memwrap.memory.search.space.AsBuilt)
         return name.build
-    from memwrap.plugin.registry import create_optimizer
 
     return lambda fm: create_optimizer(name, fm.parameters(), model=fm)
 
@@ -163,11 +166,11 @@ def trace_config(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Calla
     With ``strategy="fsdp2"`` the step traced is rank 0's of ``world_size`` FSDP2 ranks; with
     ``"ddp"`` the single-process step plus DDP's gradient buckets (see :mod:`memwrap.memory.sharded.trace`).
     """
-    from memwrap.precision.base import get_precision
 
     # Optimizer state a plugin predicts (derive) is sized on the parameters as the precision stores them.
     dtype = get_precision(options.get("precision", "fp32")).param_dtype
     if strategy == "fsdp2":
+        # import cost: sharded planning (torch.distributed's trackers), needed only with world_size > 1.
         from memwrap.memory.sharded.trace import fake_process_group, run_fsdp2_trace
 
         with fake_process_group(world_size) as mesh:
@@ -178,6 +181,7 @@ def trace_config(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Calla
     trace = dataclasses.replace(_trace_config(model, make_batch, loss_fn, options, optimizer, extrapolate, stack,
                                               run_trace), param_dtype=dtype)
     if strategy == "ddp":
+        # import cost: sharded planning (torch.distributed's trackers), needed only with world_size > 1.
         from memwrap.memory.sharded.trace import ddp_bucket_bytes, with_gradient_buckets
 
         buckets, count = ddp_bucket_bytes(model)
@@ -235,8 +239,6 @@ def derive(trace: Trace, optimizer: str, model: nn.Module, *, force: bool = Fals
     """
     if trace.optimizer == optimizer:
         return trace
-    from memwrap.plugin.registry import get_optimizer_spec
-    from memwrap.plugin.state_size import predict_state_bytes
 
     spec = get_optimizer_spec(optimizer)
     if spec.runs_on_fake and not force:
@@ -356,7 +358,6 @@ class Estimate:
 def _off_device(trace: Trace, optimizer: str) -> tuple[Trace, int, int]:
     """``trace`` with the optimizer state taken out of device memory when the optimizer's spec keeps it paged or
     on the host (``OptimizerSpec.state_location``), and those bytes: ``(trace, paged, host)``."""
-    from memwrap.plugin.registry import get_optimizer_spec
 
     location = get_optimizer_spec(optimizer).state_location
     if location == "device":
@@ -413,9 +414,8 @@ def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn:
         >>> est.breakdown["parameters"]
         17094656
     """
-    from memwrap.config.options import parse_options
-    from memwrap.plugin.registry import get_optimizer_spec
 
+    # import cost: sharded planning (torch.distributed's trackers), needed only with world_size > 1.
     from memwrap.memory.sharded.trace import check_sharding, fsdp2_refusals
 
     world_size, strategy = check_sharding(world_size, strategy)

@@ -392,6 +392,8 @@ def run_trace(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Callable
 
 def _precision(options: dict[str, Any]):
     """The precision plugin instance ``wrap(**options)`` would use (its storage dtype and optimizer conversion)."""
+    # Import floor: at module level the planner would stand on a ninth (trace -> precision registry -> plugin
+    # calls -> manager); see docs/architecture.md. (The trace runs memwrap.wrap, imported lazily in run_trace.)
     from memwrap.precision.base import get_precision
 
     comp = options.get("compensation")

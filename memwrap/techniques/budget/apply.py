@@ -13,6 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from memwrap.plugin.registry import convert_optimizer
+from memwrap.precision.base import get_precision
+from memwrap.precision.loss_scale import configure_scaler
+
 __all__ = ["change_option"]
 
 
@@ -23,13 +27,9 @@ def change_option(planner: Any, name: str, value: str) -> None:
         raise RuntimeError(f"budget= chose {name}={value!r} after training started; memwrap changes the {name} only "
                            "before the first update. Please report this.")
     if name == "optim":
-        from memwrap.plugin.registry import convert_optimizer
-
         inner = convert_optimizer(opt.optimizer, value, model=model.module)
         opt.optimizer = model._precision.convert_optimizer(inner, model.module)
         return
-    from memwrap.precision.loss_scale import configure_scaler
-    from memwrap.precision.base import get_precision
 
     new = get_precision(value, compensation=planner.opts.compensation)
     new.check(planner.device_type)

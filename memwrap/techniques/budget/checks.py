@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from memwrap.config.options import given_names
+from memwrap.plugin.registry import get_optimizer_spec
 
 __all__ = ["check_wrap", "check_budget_options", "user_set", "optimizer_name"]
 
@@ -67,10 +68,10 @@ def user_set(raw: dict[str, Any]) -> set[str]:
 
 def optimizer_name(optimizer: torch.optim.Optimizer, opts: Any) -> str:
     """The registry name that describes the user's optimizer (``opts.optim`` when set, else its class)."""
-    from memwrap.plugin.registry import get_optimizer_spec
 
     if opts.optim is not None:
         return get_optimizer_spec(opts.optim).name
+    # import cost: memwrap.memory's package loads the planner.
     from memwrap.memory.search.space import registry_name
 
     # The name labels the plan; the plan traces the optimizer itself as built (memwrap.memory.search.space.AsBuilt).

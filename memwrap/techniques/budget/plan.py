@@ -27,10 +27,18 @@ from typing import Any
 
 import torch
 
-from memwrap.runtime.batch_split import Feed, batch_size, cut_batch, describe_shapes, feeds_by_layout, for_planner, split_even
+from memwrap.runtime.batch_split import (Feed, batch_size, cut_batch, describe_shapes, feeds_by_layout, for_planner,
+                                         split_even)
 from memwrap.techniques.budget.checks import check_budget_options, optimizer_name, user_set
 from memwrap.techniques.budget.ranks import agree_any, agree_max, agree_plan, world
 from memwrap.memory.budget import format_bytes
+from memwrap.checkpointing.apply import apply_checkpointing, checkpoint_target, current_report, remove_checkpointing
+from memwrap.checkpointing.policies import parse_checkpoint_option
+from memwrap.memory.search.planner import Margin, default_checkpoints, default_optimizers
+from memwrap.memory.search.space import AsBuilt
+from memwrap.plugin.registry import get_optimizer_spec
+from memwrap.precision.base import precisions as registered
+from memwrap.runtime.batch_split import _tensors
 
 __all__ = ["BudgetChoice", "BudgetPlanner", "BudgetTooSmallError", "MAY_CHANGE", "check_budget_options"]
 
@@ -98,8 +106,6 @@ class BudgetPlanner:
 
     def __init__(self, model: Any, optimizer: Any, opts: Any, raw: dict[str, Any], device_type: str,
                  log: Callable[[str], Any] | None = print):
-        from memwrap.memory.search.planner import Margin
-
         self.model, self.optimizer, self.opts = model, optimizer, opts
         self.budget = int(opts.budget)
         self.set_by_user = user_set(raw)
@@ -276,8 +282,6 @@ class BudgetPlanner:
         return set(self.opts.budget_may_change) if getattr(self.optimizer, "updates", 0) == 0 else set()
 
     def _space(self, widen: bool = False) -> dict[str, Any]:
-        from memwrap.memory.search.planner import default_checkpoints, default_optimizers
-
         may = self._may_change() if widen else set()
         if self._foreign_checkpoint:
             checkpoints = (None,)  # the model's own checkpointing stays; the trace sees it
@@ -287,8 +291,6 @@ class BudgetPlanner:
             checkpoints = default_checkpoints()
         precisions = (self.model._precision.name,)
         if "precision" in may:
-            from memwrap.precision.base import precisions as registered
-
             precisions = tuple(dict.fromkeys([self.opts.precision] + [r.name for r in registered()
                                                                      if _runs_on(r, self.device_type)]))
         current = self.current.optim if self.current is not None else self.optim_name
@@ -371,7 +373,6 @@ class BudgetPlanner:
     def _keep(self, module: torch.nn.Module) -> str:
         """The optimizer in force, planned as it is built (its class, param groups and hyperparameters: the state a
         real step creates), named by the registry name that describes it."""
-        from memwrap.memory.search.space import AsBuilt
 
         inner = getattr(self.optimizer, "optimizer", None)
         if not isinstance(inner, torch.optim.Optimizer):  # planned ahead of a framework's loop: a name, no optimizer
@@ -379,9 +380,6 @@ class BudgetPlanner:
         return AsBuilt(inner, module, self._current_option("optim"))
 
     def _plan_module(self) -> torch.nn.Module:
-        from memwrap.checkpointing.apply import current_report, remove_checkpointing
-        from memwrap.checkpointing.apply import checkpoint_target
-
         target = checkpoint_target(self.model.module)
         if self._foreign_checkpoint is None:
             # Checkpointing the model had before wrap() (not wrap's own) is the user's setting: left as it is.
@@ -398,10 +396,6 @@ class BudgetPlanner:
 
     # --- applying ----------------------------------------------------------------------------
     def _apply(self, choice: BudgetChoice) -> None:
-        from memwrap.checkpointing.apply import apply_checkpointing, current_report, remove_checkpointing
-        from memwrap.checkpointing.policies import parse_checkpoint_option
-        from memwrap.checkpointing.apply import checkpoint_target
-
         if not self._foreign_checkpoint and not _same(choice.checkpoint, self._applied_checkpoint):
             target = checkpoint_target(self.model.module)
             remove_checkpointing(target)
@@ -413,6 +407,7 @@ class BudgetPlanner:
             self._applied_checkpoint = choice.checkpoint
         for name in ("precision", "optim"):
             if getattr(choice, name) != self._current_option(name):
+                # import cost: it loads the planner.
                 from memwrap.techniques.budget.apply import change_option
 
                 change_option(self, name, getattr(choice, name))
@@ -456,7 +451,6 @@ def _runs_on(row: Any, device_type: str) -> bool:
 def _steppable(names: tuple[str, ...]) -> tuple[str, ...]:
     """Optimizers that step after backward: one that updates inside backward (LOMO, layer-wise GaLore) rules out
     the accumulation a budget plan may need (wrap() refuses it with accumulate > 1)."""
-    from memwrap.plugin.registry import get_optimizer_spec
 
     return tuple(n for n in names if not getattr(get_optimizer_spec(n), "updates_in_backward", False))
 
@@ -479,8 +473,6 @@ def _dominates(big: tuple, small: tuple) -> bool:
 
 
 def _tensor_bytes(batch: Any, device: torch.device) -> int:
-    from memwrap.runtime.batch_split import _tensors
-
     seen, total = set(), 0
     for _, t in _tensors(batch):
         st = t.untyped_storage()

@@ -18,6 +18,9 @@ from typing import Any
 from torch import nn
 
 from memwrap.runtime.batch_split import batch_size, describe_shapes
+from memwrap.config.options import parse_options
+from memwrap.precision.base import get_precision
+from memwrap.techniques.budget.checks import check_budget_options, user_set
 
 __all__ = ["plan_split", "UNSET"]
 
@@ -34,9 +37,8 @@ def plan_split(model: nn.Module, batch: Any, budget: Any, *, margin: Any = None,
         >>> plan_split(model, (x, y), "8GiB", checkpoint=None).micro_batch  # doctest: +SKIP
         16
     """
+    # import cost: it loads the planner.
     from memwrap.techniques.budget.plan import BudgetPlanner
-    from memwrap.config.options import parse_options
-    from memwrap.precision.base import get_precision
 
     raw: dict[str, Any] = {"budget": budget, "precision": precision, "optim": optim}
     if margin is not None:
@@ -46,8 +48,6 @@ def plan_split(model: nn.Module, batch: Any, budget: Any, *, margin: Any = None,
     opts = parse_options(**raw)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     if params >= opts.budget:
-        from memwrap.techniques.budget.checks import check_budget_options, user_set
-
         check_budget_options(opts, user_set(raw), model, object(), [batch])  # raises: smaller than the parameters
     if device_type is None:
         device_type = next(model.parameters()).device.type
