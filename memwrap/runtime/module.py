@@ -206,20 +206,12 @@ class WrappedModule(nn.Module):
         needs_hook = factor is not None or (training and self._gate.watches_backward)
         hook = _GradScale(factor, self._hooks_bypassed, self._gate, zero=self._gate.weight() == 0) if needs_hook else None
         found = []
-        aliases = []
 
         def finish(t: torch.Tensor) -> torch.Tensor:
             found.append(True)
-            out = _finish_output(t, hook)
-            if hook is not None and out.requires_grad:
-                aliases.append(out)
-            return out
+            return _finish_output(t, hook)
 
         outputs = map_outputs(outputs, finish)
-        norm = self._norm_pass()
-        if norm is not None and aliases:
-            # step_in_backward with clipping or fp16: the first pass starts where these outputs get their gradient.
-            norm.track(aliases)
         # Only when no tensor was found at all: tensors that do not require grad (a frozen model run in
         # grad mode) are a plain forward, not an output memwrap failed to see into.
         weighs = factor is not None or (training and self._gate.accumulate > 1)  # not only watching (step_in_backward)
@@ -305,18 +297,9 @@ class WrappedModule(nn.Module):
         previous = self._hooks_bypassed.on
         self._hooks_bypassed.on = True
         try:
-            weighted = loss if factor is None else loss * factor
-            norm = self._norm_pass()
-            if norm is not None:  # step_in_backward with clipping or fp16: both passes from the loss itself
-                norm.backward(weighted, **kwargs)
-            else:
-                weighted.backward(**kwargs)
+            (loss if factor is None else loss * factor).backward(**kwargs)
         finally:
             self._hooks_bypassed.on = previous
-
-    def _norm_pass(self) -> Any:
-        ref = self._gate.__dict__.get("norm_pass")
-        return ref() if ref is not None else None
 
     def _grad_factor(self) -> float | torch.Tensor | None:
         weight = self._gate.weight()
