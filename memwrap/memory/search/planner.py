@@ -37,6 +37,8 @@ from memwrap.memory.search.space import (DEFAULT_CHECKPOINTS, DEFAULT_PRECISIONS
 from memwrap.plugin.registry import _registry, get_optimizer_spec
 from memwrap.precision.base import get_precision_class
 from memwrap.memory.search.report import plan_table
+from memwrap.memory.search.techniques import (default_precisions, expand_techniques, family, prune_by_weights, state_floor,
+                                              technique_tags, technique_values, trace_options, traced_as)
 
 __all__ = ["Candidate", "Margin", "Plan", "plan", "rank", "DEFAULT_PRECISIONS", "DEFAULT_CHECKPOINTS",
            "default_optimizers", "default_checkpoints"]
@@ -81,9 +83,6 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        # Import floor: at module level the planner would stand on a ninth (planner -> techniques -> estimator ->
-        # the plugin registry's four); see docs/architecture.md.
-        from memwrap.memory.search.techniques import technique_tags
         layout = f"{self.estimate.strategy}x{self.estimate.world_size} " if self.estimate.strategy else ""
 
         return (f"{layout}{self.micro_batch}x{self.accumulate} {self.precision} {self.checkpoint or 'no-ckpt'} "
@@ -265,6 +264,23 @@ class Plan:
         return plan_table(self)
 
 
+def _over_budget(base: Any, optim: str, module: nn.Module, options: dict, budget: int, margin: Any) -> Any:
+    """The group's trace shifted to ``optim``'s state (a lower bound of its peak: its step's temporaries missing)
+    when even that exceeds the budget, else None (then the optimizer is traced). Its ``method`` says so.
+
+    Example:
+        >>> _over_budget(trace, "adagrad", model, options, 24 * 2**30, Margin())  # doctest: +SKIP
+    """
+    low = derive(base, optim, module, force=True)
+    if low is None:
+        return None
+    est = finish(low, {**options, "optim": optim}, optim)
+    if est.peak + margin.of(est.peak) <= budget:
+        return None
+    return dataclasses.replace(low, method=low.method + "; not traced: over the budget by its optimizer state alone "
+                                                        "(a lower bound: its step's temporaries are not counted)")
+
+
 def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int], Any], *, budget: int | str,
          global_batch: int, candidates: list[dict] | None = None, loss_fn: Callable | None = None,
          precisions: Iterable[str] | None = None, checkpoints: Iterable[Any] | None = None,
@@ -312,10 +328,6 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
         ...          global_batch=64)  # doctest: +SKIP
         >>> print(p.code())  # doctest: +SKIP
     """
-    # Import floor: at module level the planner would stand on a ninth (planner -> techniques -> estimator ->
-    # the plugin registry's four); see docs/architecture.md.
-    from memwrap.memory.search.techniques import default_precisions, expand_techniques, family, over_budget, prune_by_weights, state_floor, technique_values, trace_options, traced_as
-
     start = time.perf_counter()
     budget_bytes = parse_budget(budget)
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
@@ -459,7 +471,7 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
                 tr = derive(base, m["optim"], module)
                 if tr is None:
                     tr = traces.get((key, m["optim"]))
-                    low = None if tr is not None else over_budget(base, m["optim"], module, options, budget_bytes, margin_)
+                    low = None if tr is not None else _over_budget(base, m["optim"], module, options, budget_bytes, margin_)
                     if low is not None:  # cannot fit whatever its step needs: not traced (memwrap.memory.search.techniques)
                         tr = low
                     elif tr is None:

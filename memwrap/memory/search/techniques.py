@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from memwrap.memory.budget import format_bytes
-from memwrap.memory.tracing.estimator import derive, finish
 from memwrap.plugin.registry import create_optimizer, get_optimizer_spec
 from memwrap.precision.base import UnknownPrecisionError, get_precision, get_precision_class, precision_names
 from memwrap.techniques.loss_head import LossHeadError, find_loss_head
@@ -225,25 +224,6 @@ def prune_by_weights(groups: dict, module: torch.nn.Module, budget: int, margin:
         why += [(label(m), f"not traced: the weights alone take {format_bytes(w)} in {p} (+ margin "
                            f"{format_bytes(margin.of(w))}) > budget {format_bytes(budget)}") for m in members]
     return kept, why
-
-
-def over_budget(base: Any, optim: str, module: torch.nn.Module, options: dict, budget: int, margin: Any) -> Any:
-    """The group's trace shifted to ``optim``'s state (a lower bound of its peak: its step's temporaries missing)
-    when even that exceeds the budget, else None (then the optimizer is traced). Its ``method`` says so.
-
-    Example:
-        >>> over_budget(trace, "adagrad", model, options, 24 * 2**30, Margin())  # doctest: +SKIP
-    """
-    import dataclasses
-
-    low = derive(base, optim, module, force=True)
-    if low is None:
-        return None
-    est = finish(low, {**options, "optim": optim}, optim)
-    if est.peak + margin.of(est.peak) <= budget:
-        return None
-    return dataclasses.replace(low, method=low.method + "; not traced: over the budget by its optimizer state alone "
-                                                        "(a lower bound: its step's temporaries are not counted)")
 
 
 def traced_as(precision: str) -> str:

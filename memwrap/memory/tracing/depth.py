@@ -22,7 +22,7 @@ from typing import Any
 import torch  # noqa: F401  (the doctest builds on the meta device)
 from torch import nn
 
-from memwrap.memory.tracing.trace import Stack, truncated
+from memwrap.memory.tracing.stack import Stack, truncated
 from memwrap.checkpointing.apply import resolve_policy
 from memwrap.checkpointing.policies import parse_checkpoint_option, select_modules
 

@@ -28,6 +28,8 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from memwrap.memory.tracing.batch import default_loss, split_batch
+from memwrap.memory.tracing.stack import Stack, find_stack, truncated
+from memwrap.precision.base import get_precision
 import memwrap.memory.tracing.fake_kernels  # noqa: F401  fake kernels the trace needs (MoE grouped_mm in fp32)
 from memwrap.memory.tracing.grad_accumulation import InPlaceAccumulation
 
@@ -43,46 +45,6 @@ HOST = torch.device("meta")
 
 
 # ----------------------------------------------------------------------------- the model
-
-@dataclasses.dataclass(frozen=True)
-class Stack:
-    """The homogeneous block stack of a model: ``parent.<attr>`` holds ``length`` identical blocks."""
-
-    name: str
-    length: int
-
-
-def _signature(module: nn.Module) -> tuple:
-    params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters())
-    buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in module.named_buffers())
-    kinds = tuple(type(m).__name__ for m in module.modules())
-    return params, buffers, kinds
-
-
-def find_stack(model: nn.Module, min_length: int = 4) -> Stack | None:
-    """The largest ``ModuleList``/``Sequential`` of identical blocks (same class, shapes, structure).
-
-    Example:
-        >>> from memwrap.models import build_preset
-        >>> with torch.device("meta"):
-        ...     find_stack(build_preset("llama-7b"))
-        Stack(name='model.layers', length=32)
-    """
-    best, best_size = None, -1
-    for name, mod in model.named_modules():
-        if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or len(mod) < min_length or not name:
-            continue
-        kids = list(mod.children())
-        if len(kids) != len(mod):
-            continue
-        sig = _signature(kids[0])
-        if not sig[0] or any(type(k) is not type(kids[0]) or _signature(k) != sig for k in kids[1:]):
-            continue
-        size = sum(p.numel() for p in mod.parameters())
-        if size > best_size:
-            best, best_size = Stack(name, len(kids)), size
-    return best
-
 
 def fake_model(model: nn.Module, mode, device: torch.device, stack: Stack | None = None,
                depth: int | None = None) -> nn.Module:
@@ -100,31 +62,6 @@ def fake_model(model: nn.Module, mode, device: torch.device, stack: Stack | None
                 ft = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
             memo[id(t)] = nn.Parameter(ft, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else ft
         return copy.deepcopy(model, memo)
-
-
-@contextlib.contextmanager
-def truncated(model: nn.Module, stack: Stack | None, depth: int | None):
-    """Within the block, ``model``'s stack holds only its first ``depth`` blocks (nothing is copied).
-
-    Example:
-        >>> from memwrap.models import build_preset
-        >>> m = build_preset("gpt2-tiny")
-        >>> with truncated(m, find_stack(m, 2), 1):
-        ...     len(m.transformer.h)
-        1
-    """
-    if stack is None or depth is None or depth == stack.length:
-        yield model
-        return
-    prefix, _, attr = stack.name.rpartition(".")
-    parent = model.get_submodule(prefix) if prefix else model
-    original = getattr(parent, attr)
-    kids = list(original.children())[:depth]
-    parent._modules[attr] = nn.Sequential(*kids) if isinstance(original, nn.Sequential) else nn.ModuleList(kids)
-    try:
-        yield model
-    finally:
-        parent._modules[attr] = original
 
 
 # ----------------------------------------------------------------------------- the tracker
@@ -392,10 +329,6 @@ def run_trace(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Callable
 
 def _precision(options: dict[str, Any]):
     """The precision plugin instance ``wrap(**options)`` would use (its storage dtype and optimizer conversion)."""
-    # Import floor: at module level the planner would stand on a ninth (trace -> precision registry -> plugin
-    # calls -> manager); see docs/architecture.md. (The trace runs memwrap.wrap, imported lazily in run_trace.)
-    from memwrap.precision.base import get_precision
-
     comp = options.get("compensation")
     return get_precision(options.get("precision") or "fp32", **({"compensation": comp} if comp is not None else {}))
 
