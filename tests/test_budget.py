@@ -77,9 +77,11 @@ def test_gpt_over_budget_trains_within_it_and_equals_the_big_batch():
     it = iter(loader)
 
     def one_update():
+        # The loop shape budget= plans (it cannot see the loop): the outputs held through backward and the step.
         while True:
             x, y = next(it)
-            lm_loss(wmodel(x), y).backward()
+            out = wmodel(x)
+            lm_loss(out, y).backward()
             opt.step()
             opt.zero_grad()
             if opt.did_update:

@@ -608,3 +608,20 @@ def test_memwraps_torchao_import_is_quiet_but_the_users_own_torchao_logs_still_s
     for noise in NOISE[:2]:
         assert noise not in done.stderr.replace("the user's own pytree warning", ""), done.stderr
     assert "the user's own torchao warning" in done.stderr and "the user's own pytree warning" in done.stderr
+
+
+def test_drop_outputs_plans_the_loop_that_drops_them(capsys):
+    base = ["--preset", "gpt2-tiny", "--batch", "2", "--seq", "64", "--budget", "4GiB", *FAST]
+    argv = [*base, "--json", "-"]
+    assert run_cli(argv) == 0
+    kept = json.loads(capsys.readouterr().out)
+    assert run_cli([*argv, "--drop-outputs"]) == 0
+    dropped = json.loads(capsys.readouterr().out)
+    # Held outputs only add memory (here the loss saves the logits for backward anyway: 2 MB more at the peak).
+    first = {c["label"]: c["peak"] for c in kept["candidates"]}
+    assert dropped["candidates"] and all(first[c["label"]] > c["peak"] for c in dropped["candidates"])
+    assert {c["estimate"]["keep_outputs"] for c in kept["candidates"]} == {True}
+    assert {c["estimate"]["keep_outputs"] for c in dropped["candidates"]} == {False}
+    assert "keep_outputs" not in dropped["code"]
+    assert run_cli([*base, "--drop-outputs"]) == 0  # the table says which loop was planned
+    assert "Loop: planned for a loop that drops the model's outputs" in capsys.readouterr().out

@@ -389,3 +389,54 @@ def test_a_tuple_batch_must_have_two_items(n):
     x, y = lm_batch(1, 8, 512)
     with pytest.raises(TypeError, match=rf"exactly 2 items, \(inputs, targets\); got {n} item"):
         estimate(small_gpt(), (x, y, y)[:n])
+
+
+# The loop's shape (issue 20 item 3): a loop that holds the model's outputs (outputs = model(**batch);
+# outputs.loss.backward()) keeps the logits through backward and the step, and the previous update's through the next
+# forward; one that drops them (loss = model(**batch).loss, Trainer) frees them once the loss is computed.
+@pytest.mark.parametrize("options", [{}, {"accumulate": 2, "checkpoint": "full"}, {"precision": "bf16"}])
+def test_the_loop_shape_is_a_planning_input_and_each_shape_matches_its_measured_peak(options):
+    cfg = dict(n_layer=2, n_embd=64, vocab=8192, block=64)  # logits (8 x 64 x 8192 fp32 = 16 MiB) dominate
+    batch = lm_batch(8, cfg["block"], cfg["vocab"])
+    est = {keep: estimate(lambda: small_gpt(**cfg), batch, keep_outputs=keep, **options) for keep in (True, False)}
+    got = {keep: measure_peak(lambda: small_gpt(**cfg), batch, keep_outputs=keep, **options)["peak"]
+           for keep in (True, False)}
+    for keep in (True, False):
+        assert est[keep].keep_outputs is keep and "keep_outputs" not in est[keep].options
+        assert abs(est[keep].peak - got[keep]) <= 0.005 * got[keep], (keep, est[keep].peak, got[keep])
+    dtype_bytes = 2 if options.get("precision") == "bf16" else 4
+    logits = 8 * cfg["block"] * cfg["vocab"] * dtype_bytes
+    # The held logits are alive at the peak: the dropped-outputs estimate would be short by more than 5% for this loop.
+    assert est[True].peak - est[False].peak >= logits
+    assert got[True] - est[False].peak > 0.05 * got[True]
+    assert "loop: the model's outputs kept" in str(est[True]) and "outputs dropped" in str(est[False])
+
+
+def test_the_previous_updates_outputs_count_in_the_first_forward():
+    # Exactly one more set of outputs in the forward phase: the previous update's, alive until the new forward returns.
+    from memwrap.memory.tracing.trace import output_bytes
+
+    cfg = dict(n_layer=2, n_embd=64, vocab=4096, block=32)
+    batch = lm_batch(4, cfg["block"], cfg["vocab"])
+    kept, dropped = (estimate(lambda: small_gpt(**cfg), batch, keep_outputs=k) for k in (True, False))
+    model = small_gpt(**cfg)
+    held = output_bytes(model(batch[0]), model)
+    assert held == 4 * cfg["block"] * cfg["vocab"] * 4
+    assert kept.phases["forward"] - dropped.phases["forward"] == held
+
+
+def test_keep_outputs_must_be_a_bool_and_stays_out_of_the_wrap_code():
+    import memwrap
+
+    cfg = dict(n_layer=2, n_embd=32, vocab=256, block=16)
+    batch = lm_batch(2, cfg["block"], cfg["vocab"])
+    with pytest.raises(TypeError, match=r"keep_outputs='no'.*True .*False"):
+        estimate(lambda: small_gpt(**cfg), batch, keep_outputs="no")
+    with pytest.raises(TypeError, match=r"plan\(keep_outputs=1\)"):
+        memwrap.plan(lambda: small_gpt(**cfg), lambda mb: lm_batch(mb, cfg["block"], cfg["vocab"]), budget="1GiB",
+                     global_batch=2, keep_outputs=1)
+    p = memwrap.plan(lambda: small_gpt(**cfg), lambda mb: lm_batch(mb, cfg["block"], cfg["vocab"]), budget="1GiB",
+                     global_batch=2, precisions=["fp32"], checkpoints=[None], optimizers=["adamw"], keep_outputs=False)
+    assert "keep_outputs" not in p.code() and all("keep_outputs" not in c.options for c in p.candidates)
+    assert all(c.estimate.keep_outputs is False for c in p.candidates)
+    assert "drops the model's outputs" in str(p)

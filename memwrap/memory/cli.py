@@ -93,6 +93,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--strategy", default=None, metavar="fsdp2|ddp",
                    help="how the ranks share the model: fsdp2, ddp, or fsdp2,ddp (default with --world-size > 1: both)")
     p.add_argument("--max-grad-norm", type=float, default=None, help="gradient clipping, as in wrap()")
+    p.add_argument("--drop-outputs", action="store_true",
+                   help="your loop drops the model's outputs once the loss is computed (loss = model(**batch).loss, "
+                        "Trainer); default: it keeps them through backward (outputs = model(**batch); "
+                        "outputs.loss.backward()), which holds the logits longer")
     p.add_argument("--margin", type=float, default=0.08, help="margin as a fraction of the peak (default 0.08)")
     p.add_argument("--margin-bytes", default="1GiB",
                    help="fixed margin: CUDA context, workspaces (default 1GiB; 0 or 0B for none)")
@@ -471,7 +475,8 @@ def run(args: argparse.Namespace) -> int:
                       max_grad_norm=args.max_grad_norm, keep_optim=keep, keep_precision=keep_precision,
                       progress=progress,
                       world_size=_world_sizes(args.world_size), strategy=_list(args.strategy),
-                      step_in_backward=_switch(args.step_in_backward), chunked_loss=_switch(args.chunked_loss))
+                      step_in_backward=_switch(args.step_in_backward), chunked_loss=_switch(args.chunked_loss),
+                      keep_outputs=not args.drop_outputs)
     except (ValueError, TypeError) as exc:
         progress.close()
         print(f"memwrap plan: {exc}", file=sys.stderr)

@@ -104,26 +104,40 @@ def allocator_growth(fn: Callable[[], Any]) -> int:
     return peak
 
 
-def _run_update(wmodel, wopt, batches, loss_fn) -> None:
-    for batch in batches:
-        args, kwargs, targets = split_batch(batch)
-        outputs = wmodel(*args, **kwargs)
-        loss = loss_fn(outputs, targets)
-        del outputs, args, kwargs, targets
-        loss.backward()
-        del loss
-        wopt.step()
-        wopt.zero_grad()
+class _Loop:
+    """The measured training loop, in the shape the estimate assumes (``keep_outputs``, see
+    :func:`memwrap.memory.tracing.trace.drive_step`): with ``keep_outputs`` the model's outputs are held until
+    the next forward has returned, as ``outputs = model(**batch)`` in a loop holds them."""
+
+    def __init__(self, wmodel, wopt, batches, loss_fn, keep_outputs: bool):
+        self.wmodel, self.wopt, self.batches, self.loss_fn, self.keep_outputs = wmodel, wopt, batches, loss_fn, keep_outputs
+        self.held: Any = None
+
+    def update(self) -> None:
+        for batch in self.batches:
+            args, kwargs, targets = split_batch(batch)
+            outputs = self.wmodel(*args, **kwargs)
+            self.held = None  # rebinding the loop's name frees the previous outputs once the forward has returned
+            loss = self.loss_fn(outputs, targets)
+            if self.keep_outputs:
+                self.held = outputs
+            del outputs, args, kwargs, targets
+            loss.backward()
+            del loss
+            self.wopt.step()
+            self.wopt.zero_grad()
 
 
 def measure_peak(model: nn.Module | Callable[[], nn.Module], batch: Any, loss_fn: Callable | None = None, *,
                  steps: int = 1, optimizer: str = "adamw", device: str | torch.device | None = None,
-                 profile: bool = True, **wrap_options: Any) -> dict[str, Any]:
+                 profile: bool = True, keep_outputs: bool = True, **wrap_options: Any) -> dict[str, Any]:
     """Run ``1 + steps`` real optimizer updates under ``memwrap.wrap(**wrap_options)`` and measure the peak.
 
     The first update creates the optimizer state (not measured, as in the estimate's steady
     state); the next ``steps`` updates of ``accumulate`` micro-batches each are measured. ``model``
     is a module or a zero-argument factory; ``batch`` a micro-batch (or a callable returning one).
+    ``keep_outputs``: the loop holds the model's outputs through backward (True, as the estimate's default) or
+    drops them once the loss is computed (False); see :func:`memwrap.estimate`.
 
     Returns ``peak`` (bytes: CPU allocator peak of live bytes, or ``torch.cuda.max_memory_allocated``),
     ``baseline`` (bytes alive before the measured steps), ``reserved`` (CUDA only), ``rss_peak`` and
@@ -152,7 +166,8 @@ def measure_peak(model: nn.Module | Callable[[], nn.Module], batch: Any, loss_fn
     opt_name = wrap_options.pop("optim", None) or optimizer
     inner = create_optimizer(opt_name, model.parameters(), model=model)
     wmodel, wopt = memwrap.wrap(model, inner, **wrap_options)
-    _run_update(wmodel, wopt, batches, loss_fn)  # warm-up: optimizer state now exists
+    loop = _Loop(wmodel, wopt, batches, loss_fn, keep_outputs)
+    loop.update()  # warm-up: optimizer state now exists (and, with keep_outputs, the last outputs are held)
     gc.collect()
     result: dict[str, Any] = {"device": str(dev), "steps": steps, "optimizer": opt_name}
     if dev.type == "cuda":
@@ -160,21 +175,29 @@ def measure_peak(model: nn.Module | Callable[[], nn.Module], batch: Any, loss_fn
         torch.cuda.reset_peak_memory_stats(dev)
         result["baseline"] = torch.cuda.memory_allocated(dev)
         for _ in range(steps):
-            _run_update(wmodel, wopt, batches, loss_fn)
+            loop.update()
         torch.cuda.synchronize(dev)
         result.update(peak=torch.cuda.max_memory_allocated(dev), reserved=torch.cuda.max_memory_reserved(dev),
                       method="torch.cuda.max_memory_allocated")
     elif not profile:
         for _ in range(steps):
-            _run_update(wmodel, wopt, batches, loss_fn)
-        result.update(peak=None, baseline=live_bytes(model, wopt.optimizer, batches), method="process RSS only")
+            loop.update()
+        result.update(peak=None, baseline=live_bytes(model, wopt.optimizer, batches, loop.held), method="process RSS only")
     else:
+        # The profiler sees no free of a block allocated before it started, so outputs held from the warm-up would
+        # stay counted after the next forward frees them: they are dropped here, and one more update runs inside the
+        # profile, so that each later update starts with outputs the profile saw made (the steady state).
+        extra = 0
+        if keep_outputs:
+            loop.held = None
+            gc.collect()
+            extra = 1
         # wopt.optimizer, not inner: a precision may have replaced the optimizer (bf16-true: optimi's Kahan AdamW).
         baseline = live_bytes(model, wopt.optimizer, batches, wopt.scaler.__dict__)
 
         def updates() -> None:
-            for _ in range(steps):
-                _run_update(wmodel, wopt, batches, loss_fn)
+            for _ in range(steps + extra):
+                loop.update()
 
         peak = allocator_growth(updates)
         result.update(peak=baseline + peak, baseline=baseline, method="torch.profiler CPU allocator events")

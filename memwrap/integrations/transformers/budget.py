@@ -52,8 +52,9 @@ def plan_trainer_split(model: Any, args: Any, budget: Any, batch: Any, margin: A
     else:
         fixed = checkpoint
     device = "cuda" if getattr(args, "use_cpu", False) is False and _cuda() else "cpu"
+    # Trainer's compute_loss returns the loss alone (its outputs are dropped before backward): planned as that loop.
     return plan_split(model, batch, budget, margin=margin, checkpoint=fixed, precision=precision, optim=name,
-                      device_type=device)
+                      device_type=device, keep_outputs=False)
 
 
 def _cuda() -> bool:

@@ -289,7 +289,7 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
          keep_precision: str | None = "fp32",
          progress: Callable[[int, int, str], Any] | None = None, world_size: Any = 1, strategy: Any = None,
          step_in_backward: Iterable[bool] | None = None, chunked_loss: Iterable[Any] | None = None,
-         _cache: dict | None = None) -> Plan:
+         keep_outputs: bool = True, _cache: dict | None = None) -> Plan:
     """Find the fastest configuration whose predicted peak (plus margin) fits in ``budget``.
 
     ``make_batch(micro_batch_size)`` returns one micro-batch (see :func:`memwrap.estimate` for the
@@ -318,6 +318,8 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
     change does. ``step_in_backward``
     and ``chunked_loss`` (lists of values, default: both where they apply) and paged optimizer state are plan
     dimensions too (see :mod:`memwrap.memory.search.techniques`).
+    ``keep_outputs`` is your loop's shape (see :func:`memwrap.estimate`): True (default) when it holds the model's
+    outputs through backward, False when it drops them once the loss is computed (Trainer).
     ``world_size`` (an int or a list) and ``strategy`` (``"fsdp2"``, ``"ddp"``, a list, or None for both
     when ``world_size > 1``) make sharding a plan dimension: ``budget`` is per GPU, each rank runs
     ``micro_batch x accumulate`` of the fixed ``global_batch`` (so ``global_batch`` must be divisible by
@@ -356,6 +358,10 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
             raise TypeError(f"plan({what}={fn!r}) must be a callable or None.")
     if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))):
         raise TypeError(f"plan(max_grad_norm={max_grad_norm!r}) must be a number (the clipping norm) or None.")
+    if not isinstance(keep_outputs, bool):
+        raise TypeError(f"plan(keep_outputs={keep_outputs!r}) must be True (the loop holds the model's outputs through "
+                        "backward: outputs = model(**batch); outputs.loss.backward()) or False (loss = "
+                        "model(**batch).loss, Trainer's compute_loss).")
     # import cost: sharded planning (torch.distributed's trackers), needed only with world_size > 1.
     from memwrap.memory.sharded.plan import layouts, plan_layouts, refused_specs
 
@@ -365,7 +371,8 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
                             candidates=candidates, loss_fn=loss_fn, precisions=precisions, checkpoints=checkpoints,
                             optimizers=optimizers, micro_batches=micro_batches, margin=margin,
                             max_grad_norm=max_grad_norm, keep_optim=keep_optim, keep_precision=keep_precision,
-                            progress=progress, step_in_backward=step_in_backward, chunked_loss=chunked_loss)
+                            progress=progress, step_in_backward=step_in_backward, chunked_loss=chunked_loss,
+                            keep_outputs=keep_outputs)
     # Traces and state floors shared by the stages of one search (same model, batch and layout).
     cache = _cache if _cache is not None else {"traces": {}, "floors": {}}
     if optimizers is None and candidates is None and keep is not None:
@@ -375,7 +382,8 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
                     checkpoints=checkpoints, optimizers=(keep,), micro_batches=micro_batches, margin=margin,
                     max_grad_norm=max_grad_norm, keep_optim=keep, keep_precision=keep_precision, progress=_stage(progress, f"stage 1 ({keep} only)"),
                     world_size=world_size,
-                    strategy=strategy, step_in_backward=step_in_backward, chunked_loss=chunked_loss, _cache=cache)
+                    strategy=strategy, step_in_backward=step_in_backward, chunked_loss=chunked_loss,
+                    keep_outputs=keep_outputs, _cache=cache)
         if kept.best is not None and kept.best.fits and not kept.best.changes:
             kept.skipped.append(("(search space)", f"other optimizers not searched: a configuration keeping {keep} "
                                                    "fits (pass optimizers=... / --optimizers to compare others)"))
@@ -445,6 +453,7 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
         if max_grad_norm is not None:
             options["max_grad_norm"] = max_grad_norm
         options.update(trace_options(first))
+        options["keep_outputs"] = keep_outputs  # the loop's shape (not a wrap() option; finish() sets it apart)
         # The user's optimizer (a built-in, usually) is traced first: a plugin's failure then only skips its own rows.
         fake_runnable = sorted((m["optim"] for m in members if get_optimizer_spec(m["optim"]).runs_on_fake),
                                key=lambda o: o != keep)
@@ -564,7 +573,8 @@ def _candidate(spec: dict, options: dict, est: Estimate, margin: Margin, budget:
                        paged_spill=max(0, est.paged_state - max(0, budget - est.peak - margin.of(est.peak))),
                        host_state=est.host_state)
     extra = margin.of(est.peak)
-    others = {k: v for k, v in options.items() if k not in ("precision", "accumulate", "checkpoint", "optim")}
+    others = {k: v for k, v in options.items() if k not in ("precision", "accumulate", "checkpoint", "optim",
+                                                             "keep_outputs")}
     return Candidate(spec["micro_batch"], options["accumulate"], spec["precision"], spec["checkpoint"],
                      spec["optim"], est, extra, est.peak + extra <= budget, sum(terms.values()), terms,
                      extra=others)

@@ -149,8 +149,21 @@ def plan_table(plan: Any, limit: int | None = None) -> str:
     lines += _hidden_line(plan, limit)
     lines += plan_legend(plan, limit)
     lines += _skipped_lines(plan)
-    lines += ["", plan.verdict] + ([plan.sharding] if getattr(plan, "sharding", "") else []) + ["", plan.code()]
+    lines += ["", plan.verdict] + ([plan.sharding] if getattr(plan, "sharding", "") else []) + _loop_line(plan)
+    lines += ["", plan.code()]
     return "\n".join(lines)
+
+
+def _loop_line(plan: Any) -> list[str]:
+    """Which loop shape the peaks assume (``plan(keep_outputs=...)``, ``memwrap plan --drop-outputs``)."""
+    if not plan.candidates:
+        return []
+    if plan.candidates[0].estimate.keep_outputs:
+        return ["Loop: planned for a loop that keeps the model's outputs through backward (outputs = model(**batch); "
+                "outputs.loss.backward()); if yours drops them (loss = model(**batch).loss, Trainer), "
+                "keep_outputs=False / --drop-outputs plans less."]
+    return ["Loop: planned for a loop that drops the model's outputs once the loss is computed (loss = "
+            "model(**batch).loss, Trainer); a loop that keeps them through backward needs more."]
 
 
 def _skipped_lines(plan: Any, shown: int = 6, width: int = 200) -> list[str]:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memwrap.memory.measure import _run_update, _to
+from memwrap.memory.measure import _Loop, _to
 from memwrap.memory.tracing.batch import default_loss
 from memwrap.memory.tracing.trace import find_stack
 from memwrap.plugin.registry import create_optimizer
@@ -96,11 +96,12 @@ def _build(factory: Callable[[], nn.Module], strategy: str, device: torch.device
 
 def measure_rank_peak(factory: Callable[[], nn.Module], make_batch: Callable[[], Any], *, strategy: str,
                       loss_fn: Callable | None = None, optimizer: str = "adamw", device: str | None = None,
-                      **wrap_options: Any) -> dict[str, Any]:
+                      keep_outputs: bool = True, **wrap_options: Any) -> dict[str, Any]:
     """This rank's peak bytes during one steady-state update (see the module docstring).
 
     ``factory()`` builds the full model (same seed on every rank), ``make_batch()`` this rank's
     micro-batch; ``wrap_options`` go to ``memwrap.wrap`` (``accumulate`` micro-batches per update).
+    ``keep_outputs``: the loop's shape, as in :func:`memwrap.memory.measure.measure_peak`.
     Returns ``peak``, ``baseline`` (bytes alive when the measured update starts), ``rank``,
     ``world_size``, ``strategy`` and ``method``.
     """
@@ -121,17 +122,18 @@ def measure_rank_peak(factory: Callable[[], nn.Module], make_batch: Callable[[],
         inner = create_optimizer(opt_name, model.parameters(), model=model)
         wmodel, wopt = memwrap.wrap(model, inner, **wrap_options)
         batches = [_to(make_batch(), dev) for _ in range(accumulate)]
-        _run_update(wmodel, wopt, batches, loss_fn)  # warm-up: the optimizer state now exists
-        return wmodel, wopt, batches
+        loop = _Loop(wmodel, wopt, batches, loss_fn, keep_outputs)
+        loop.update()  # warm-up: the optimizer state now exists
+        return loop
 
     result: dict[str, Any] = {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "strategy": strategy,
                               "optimizer": opt_name, "options": dict(wrap_options)}
     if dev.type == "cuda":
-        wmodel, wopt, batches = setup()
+        loop = setup()
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         result["baseline"] = torch.cuda.memory_allocated(dev)
-        _run_update(wmodel, wopt, batches, loss_fn)
+        loop.update()
         torch.cuda.synchronize(dev)
         result.update(peak=torch.cuda.max_memory_allocated(dev), method="torch.cuda.max_memory_allocated")
         return result
@@ -147,11 +149,11 @@ def measure_rank_peak(factory: Callable[[], nn.Module], make_batch: Callable[[],
     dist.barrier()
     gc.collect()
     start = _total_now()
-    wmodel, wopt, batches = setup()
+    loop = setup()
     gc.collect()
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _run_update(wmodel, wopt, batches, loss_fn)
+        loop.update()
     with tempfile.TemporaryDirectory() as tmp:
         totals = _allocator_totals(prof, os.path.join(tmp, "trace.json"))
     baseline = (totals[0][0] - totals[0][1] if totals else start) - start

@@ -48,7 +48,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from memwrap.memory.tracing.trace import (
-    SegmentMixin, Stack, TraceResult, _offload_to_host, _precision, _state, _to_fake, default_loss, drive_step, truncated,
+    NOT_WRAP_OPTIONS, SegmentMixin, Stack, TraceResult, _offload_to_host, _precision, _state, _to_fake, default_loss, drive_step, truncated,
 )
 from memwrap.errors import closest_hint
 from memwrap.plugin.registry import create_optimizer
@@ -273,7 +273,7 @@ def run_fsdp2_trace(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Ca
     loss_fn = loss_fn or default_loss
     accumulate = int(options.get("accumulate", 1))
     n_mb = 2 if accumulate > 1 else 1  # as in run_trace: micro-batches 2..N look alike
-    wrap_opts = {k: v for k, v in options.items() if k not in ("optim", "monitor", "count_items")}
+    wrap_opts = {k: v for k, v in options.items() if k not in NOT_WRAP_OPTIONS}
     wrap_opts["accumulate"] = n_mb
     precision = _precision(options)
     fmodel = _meta_copy(model, stack, depth)
@@ -313,7 +313,8 @@ def run_fsdp2_trace(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Ca
         paused = gc.isenabled()
         gc.disable()  # (no collection first: it cost 0.8 s per trace, and garbage from before is not tracked)
         try:
-            drive_step(tracker, fmodel, wmodel, wopt, batches, loss_fn, stack)
+            drive_step(tracker, fmodel, wmodel, wopt, batches, loss_fn, stack,
+                       keep_outputs=bool(options.get("keep_outputs", True)))
         finally:
             if paused:
                 gc.enable()

@@ -310,6 +310,10 @@ class Estimate:
     stack: str | None = None
     paged_state: int = 0
     host_state: int = 0
+    # The loop's shape: True, the loop holds the model's outputs through backward and the step (``outputs =
+    # model(**batch); outputs.loss.backward()``); False, they are dropped once the loss is computed (``loss =
+    # model(**batch).loss``, Trainer). Not a wrap() option, so not in ``options``.
+    keep_outputs: bool = True
 
     @property
     def host(self) -> int:
@@ -346,6 +350,10 @@ class Estimate:
                          f"unified memory, uses free device memory, spills to host RAM (assumed available)")
         if self.host_state:
             lines.append(f"    {'(host optimizer state)':<21}{format_bytes(self.host_state):>12}  in host RAM, not in the peak")
+        lines.append("  loop: " + ("the model's outputs kept through backward and the step (outputs = model(...); "
+                                   "outputs.loss.backward()); keep_outputs=False if your loop drops them"
+                                   if self.keep_outputs else "the model's outputs dropped once the loss is computed "
+                                   "(loss = model(...).loss, as Trainer does)"))
         lines.append("  phase peaks: " + ", ".join(f"{p} {format_bytes(v)}" for p, v in self.phases.items()))
         if self.top_modules:
             lines.append("  largest forward activations: " + ", ".join(
@@ -379,7 +387,9 @@ def finish(trace: Trace, options: dict[str, Any], optimizer: str) -> Estimate:
     accumulate = int(options.get("accumulate", 1))
     grads = max((s.bytes["gradients"] for s in trace.segments.values()), default=0)
     state = {**trace.state, "gradients": grads}
-    return Estimate(options=dict(options), optimizer=optimizer, peak=seg.total, breakdown=dict(seg.bytes),
+    keep = bool(options.get("keep_outputs", True))
+    options = {k: v for k, v in options.items() if k != "keep_outputs"}
+    return Estimate(options=dict(options), optimizer=optimizer, keep_outputs=keep, peak=seg.total, breakdown=dict(seg.bytes),
                     peak_phase=key[1], peak_module=seg.where, peak_micro_batch=key[0] + 1, phases=phases,
                     state=state, top_modules=list(trace.top_modules), flops=trace.flops * accumulate,
                     flops_per_micro_batch=trace.flops, ops_per_micro_batch=trace.ops,
@@ -390,7 +400,7 @@ def finish(trace: Trace, options: dict[str, Any], optimizer: str) -> Estimate:
 
 def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn: Callable | None = None,
              optimizer: str = "adamw", extrapolate: bool | str = "auto", world_size: int = 1,
-             strategy: str | None = None, **wrap_options: Any) -> Estimate:
+             strategy: str | None = None, keep_outputs: bool = True, **wrap_options: Any) -> Estimate:
     """Predict the memory of one steady-state training step under ``memwrap.wrap(**wrap_options)``.
 
     Runs the step (forward, loss, backward, optimizer update, with the optimizer state already
@@ -401,6 +411,12 @@ def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn:
     ``loss_fn(outputs, targets)`` defaults to :func:`~memwrap.memory.tracing.batch.default_loss`.
     The optimizer is ``wrap_options["optim"]`` or ``optimizer`` (a registry name); optimizers that
     cannot run on fake tensors (bitsandbytes, Adafactor) contribute their plugin's ``state_bytes``.
+
+    ``keep_outputs`` is the shape of your loop: True (the default, as in a hand-written Hugging Face loop) when it
+    holds the model's outputs through backward (``outputs = model(**batch); outputs.loss.backward()``: the logits
+    live through backward and the step, and the previous update's through the next forward); False when they are
+    dropped once the loss is computed (``loss = model(**batch).loss``; Trainer's ``compute_loss``). The report says
+    which was planned.
 
     ``world_size=N, strategy="fsdp2" | "ddp"``: the peak of one of ``N`` data-parallel ranks, each
     running ``batch`` as its micro-batch (the global batch is ``micro-batch x accumulate x N``).
@@ -419,6 +435,10 @@ def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn:
     from memwrap.memory.sharded.trace import check_sharding, fsdp2_refusals
 
     world_size, strategy = check_sharding(world_size, strategy)
+    if not isinstance(keep_outputs, bool):
+        raise TypeError(f"estimate(keep_outputs={keep_outputs!r}) must be True (the loop holds the model's outputs "
+                        "through backward: outputs = model(**batch); outputs.loss.backward()) or False (loss = "
+                        "model(**batch).loss, Trainer's compute_loss).")
     wrap_options = parse_options(**wrap_options).to_kwargs()  # wrap()'s validation, canonical names
     opt_name = get_optimizer_spec(wrap_options.get("optim") or optimizer).name
     if strategy == "fsdp2":
@@ -428,7 +448,8 @@ def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn:
     module = resolve_model(model)
     make_batch = resolve_batch(batch)
     traced = opt_name if get_optimizer_spec(opt_name).runs_on_fake else None
-    trace = trace_config(module, make_batch, loss_fn, wrap_options, traced, extrapolate=extrapolate,
+    options = {**wrap_options, "keep_outputs": keep_outputs}  # the loop's shape travels with the traced options
+    trace = trace_config(module, make_batch, loss_fn, options, traced, extrapolate=extrapolate,
                          world_size=world_size, strategy=strategy)
     trace = derive(trace, opt_name, module)
-    return finish(trace, wrap_options, opt_name)
+    return finish(trace, options, opt_name)

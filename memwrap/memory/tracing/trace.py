@@ -30,11 +30,15 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from memwrap.memory.tracing.batch import default_loss, split_batch
 from memwrap.memory.tracing.stack import Stack, find_stack, truncated
 from memwrap.precision.base import get_precision
+from memwrap.runtime.outputs import map_outputs
 import memwrap.memory.tracing.fake_kernels  # noqa: F401  fake kernels the trace needs (MoE grouped_mm in fp32)
 from memwrap.memory.tracing.grad_accumulation import InPlaceAccumulation
 
-__all__ = ["CATEGORIES", "Stack", "TraceResult", "find_stack", "fake_model", "truncated", "run_trace", "split_batch", "default_loss"]  # noqa: the last two re-exported from batch.py
+__all__ = ["CATEGORIES", "NOT_WRAP_OPTIONS", "Stack", "TraceResult", "find_stack", "fake_model", "output_bytes", "truncated", "run_trace", "split_batch", "default_loss"]  # noqa: the last two re-exported from batch.py
 
+# Keys of a traced configuration that are not wrap() options: the optimizer's registry name, wrap-time objects, and
+# the loop's shape (whether it keeps the model's outputs through backward; see drive_step).
+NOT_WRAP_OPTIONS = ("optim", "monitor", "count_items", "keep_outputs")
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries", "other")
 _CAT = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers", _MemRefType.GRAD: "gradients",
         _MemRefType.OPT: "optimizer_state", _MemRefType.ACT: "activations", _MemRefType.TEMP: "temporaries",
@@ -290,7 +294,7 @@ def run_trace(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Callable
     accumulate = int(options.get("accumulate", 1))
     n_mb = 2 if accumulate > 1 else 1
     # Micro-batches 2..N of a window are identical in memory, so a window of 2 stands for any N >= 2.
-    wrap_opts = {k: v for k, v in options.items() if k not in ("optim", "monitor", "count_items")}
+    wrap_opts = {k: v for k, v in options.items() if k not in NOT_WRAP_OPTIONS}
     wrap_opts["accumulate"] = n_mb
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fmodel = fake_model(model, mode, dev, stack, depth)
@@ -319,7 +323,8 @@ def run_trace(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Callable
         batches = [_to_fake(make_batch(), mode, dev) for _ in range(n_mb)]
         tracker.track_external(fmodel, inner, *[t for b in batches for t in tree_flatten(b)[0] if isinstance(t, torch.Tensor)])
         state = _state(tracker)
-        top = drive_step(tracker, fmodel, wmodel, wopt, batches, loss_fn, stack, _top_modules)
+        top = drive_step(tracker, fmodel, wmodel, wopt, batches, loss_fn, stack, _top_modules,
+                         keep_outputs=bool(options.get("keep_outputs", True)))
         total_flops = tracker.flops
     del batches, wmodel, wopt, inner, fmodel
     ops = (tracker.ops["forward"] + tracker.ops["backward"]) // n_mb
@@ -334,13 +339,21 @@ def _precision(options: dict[str, Any]):
 
 
 def drive_step(tracker: SegmentMixin, fmodel: nn.Module, wmodel: nn.Module, wopt: Any, batches: list, loss_fn: Callable,
-               stack: Stack | None, top_modules: Callable | None = None) -> list[tuple[str, int]]:
+               stack: Stack | None, top_modules: Callable | None = None, *,
+               keep_outputs: bool = True) -> list[tuple[str, int]]:
     """Run the traced micro-batches (forward, loss, backward, step, zero_grad) under ``tracker``.
 
+    ``keep_outputs`` is the loop's shape (:data:`LOOP_SHAPES`): True, the loop holds each micro-batch's outputs
+    until the next forward has returned (``outputs = model(**batch); outputs.loss.backward()``), so they live through
+    backward and the step, and the previous update's last outputs live through the first forward (added to the first
+    micro-batch's forward segments: the same shapes, from before the traced window); False, they are dropped once the
+    loss is computed (``loss = model(**batch).loss``, Trainer's ``compute_loss``).
     Returns ``top_modules(tracker)`` read after the first forward (``[]`` without it).
     """
     hooks = _stack_hooks(fmodel, stack, tracker)
     top: list[tuple[str, int]] = []
+    held = None
+    held_bytes = 0
     try:
         with tracker, _explain_data_dependence():
             for mb, batch in enumerate(batches):
@@ -349,7 +362,12 @@ def drive_step(tracker: SegmentMixin, fmodel: nn.Module, wmodel: nn.Module, wopt
                 tracker.mb, tracker.fw_pos, tracker.bw_pos, tracker.stage = mb, "pre", "pre", "forward"
                 args, kwargs, targets = split_batch(batch)
                 outputs = wmodel(*args, **kwargs)
+                held = None  # the loop's name now holds this micro-batch's outputs: the previous ones are freed
+                if keep_outputs and mb == 0:
+                    held_bytes = output_bytes(outputs, fmodel)
                 loss = loss_fn(outputs, targets)
+                if keep_outputs:
+                    held = outputs
                 del outputs, args, kwargs, targets
                 if mb == 0 and top_modules is not None:
                     top = top_modules(tracker)
@@ -359,10 +377,38 @@ def drive_step(tracker: SegmentMixin, fmodel: nn.Module, wmodel: nn.Module, wopt
                 tracker.stage = "optimizer"
                 wopt.step()
                 wopt.zero_grad()
+            del held
     finally:
         for h in hooks:
             h.remove()
+    if held_bytes:
+        for key, seg in list(tracker.segments.items()):
+            if key[0] == 0 and key[1] == "forward":
+                tracker.segments[key] = Segment(seg.total + held_bytes,
+                                                {**seg.bytes, "activations": seg.bytes["activations"] + held_bytes},
+                                                seg.host, seg.where)
     return top
+
+
+def output_bytes(outputs: Any, model: nn.Module) -> int:
+    """Device bytes of the tensors in ``outputs`` (each storage once), leaving out the model's own parameters and buffers.
+
+    Example:
+        >>> output_bytes({"logits": torch.zeros(2, 8), "loss": torch.zeros(())}, torch.nn.Linear(1, 1))
+        68
+    """
+    # A storage's Python object is preserved while the storage lives, so its id names it (as MemTracker keys them).
+    own = {id(t.untyped_storage()) for t in itertools.chain(model.parameters(), model.buffers())}
+    seen: dict[int, int] = {}
+
+    def add(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if id(storage) not in own:
+            seen[id(storage)] = storage.nbytes()
+        return t
+
+    map_outputs(outputs, add)
+    return sum(seen.values())
 
 
 @contextlib.contextmanager

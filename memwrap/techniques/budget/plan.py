@@ -116,6 +116,9 @@ class BudgetPlanner:
         self.margin = Margin.parse(opts.margin) if opts.margin is not None else default
         self.optim_name = optimizer_name(optimizer, opts)
         self.log = log
+        # The loop's shape the plans assume: wrap(budget=) cannot see the user's loop, so the safe side (a loop that
+        # holds the model's outputs through backward); Trainer and Lightning drop them (plan_split(keep_outputs=False)).
+        self.keep_outputs = True
         self.plans: list[BudgetChoice] = []
         self.history: list[BudgetChoice] = []
         self.current: BudgetChoice | None = None
@@ -330,7 +333,8 @@ class BudgetPlanner:
                                         global_batch=m * count * ranks, micro_batches=[m], margin=self.margin,
                                         world_size=ranks, strategy=strategy,
                                         max_grad_norm=self.opts.max_grad_norm, keep_optim=self._keep(module),
-                                        keep_precision=self.model._precision.name, **space)
+                                        keep_precision=self.model._precision.name,
+                                        keep_outputs=self.keep_outputs, **space)
             except (RuntimeError, TypeError) as exc:
                 raise ValueError(
                     f"budget= could not trace one training step of the model on this batch ({type(exc).__name__}: "

@@ -29,9 +29,10 @@ UNSET = object()  # checkpoint= not given: the plan chooses the policy
 
 def plan_split(model: nn.Module, batch: Any, budget: Any, *, margin: Any = None, checkpoint: Any = UNSET,
                precision: str = "fp32", optim: str = "adamw", device_type: str | None = None,
-               log: Any = print) -> Any:
+               log: Any = print, keep_outputs: bool = True) -> Any:
     """The :class:`~memwrap.techniques.budget.plan.BudgetChoice` for ``batch`` (one global batch) under ``budget``, with a
-    micro-batch that divides the batch; nothing is changed (the caller applies it).
+    micro-batch that divides the batch; nothing is changed (the caller applies it). ``keep_outputs``: whether the
+    framework's loop holds the model's outputs through backward (see :func:`memwrap.estimate`).
 
     Example:
         >>> plan_split(model, (x, y), "8GiB", checkpoint=None).micro_batch  # doctest: +SKIP
@@ -54,6 +55,7 @@ def plan_split(model: nn.Module, batch: Any, budget: Any, *, margin: Any = None,
     # What the planner reads of a wrapped model and optimizer: nothing is wrapped here.
     shim = types.SimpleNamespace(module=model, _precision=get_precision(opts.precision), _owns_checkpointing=False)
     planner = BudgetPlanner(shim, types.SimpleNamespace(updates=0, monitor=None), opts, raw, device_type, log=None)
+    planner.keep_outputs = keep_outputs
     n, shapes = batch_size(batch), describe_shapes(batch)
     choice = planner._search(batch, n, shapes)
     divisor = max(d for d in range(1, choice.micro_batch + 1) if n % d == 0)
