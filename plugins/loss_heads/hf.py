@@ -66,8 +66,10 @@ def _causal_lm_class_names(model_type: str) -> set[str]:
 
 
 def _matches(model) -> bool:
-    transformers = sys.modules.get("transformers")
-    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+    # A PreTrainedModel exists only once transformers.modeling_utils is loaded; asking `transformers.PreTrainedModel`
+    # before that would load it (2.3 s, e.g. when only HF's Adafactor had imported transformers).
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is None or not isinstance(model, modeling.PreTrainedModel):
         return False
     model_type = getattr(model.config, "model_type", None)
     if model_type not in FAMILIES:
