@@ -408,3 +408,21 @@ def test_an_approximation_of_your_optimizer_with_uncompensated_updates_ranks_bef
     assert [(c.optim, c.extra["compensation"]) for c in ranked] == [
         ("adamw", "kahan"), ("adamw", "none"), ("adamw_torch_4bit", "none"), ("torch_adafactor", "none")]
     assert ranked[2].changes[0].startswith("optimizer adamw -> adamw_torch_4bit (approximates adamw")
+
+
+def test_a_reference_optimizer_whose_plugin_fails_skips_only_its_rows():
+    # The group's reference optimizer (traced first, the others derived from it) is a plugin that fails on the fake
+    # step (schedulefree refuses the steady-state priming step: its optimizers start in eval mode): the group is
+    # traced with the stand-in, the failing optimizer is skipped with its reason, the others are planned.
+    pytest.importorskip("schedulefree")
+    from memwrap.models import GPT, GPTConfig
+
+    build = lambda: GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32))  # noqa: E731
+    make = lambda mb: (torch.zeros(mb, 16, dtype=torch.long),) * 2  # noqa: E731
+    grid = dict(budget="1GiB", global_batch=2, micro_batches=(2,), precisions=("fp32",), checkpoints=(None,),
+                keep_optim=None, step_in_backward=(False,), chunked_loss=(False,))
+    p = plan(build, make, optimizers=("schedule_free_adamw", "sgd"), **grid)
+    assert [c.optim for c in p.candidates] == ["sgd"]
+    assert any("schedule_free_adamw" in lab and "train mode" in why for lab, why in p.skipped)
+    reference = memwrap.estimate(build, make(2), optimizer="sgd")
+    assert abs(p.candidates[0].estimate.peak - reference.peak) <= 1e-3 * reference.peak

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
+from torch.utils.checkpoint import _DEFAULT_DETERMINISM_MODE, _checkpoint_without_reentrant_generator
 from torch.distributed._composable import checkpoint as _composable_checkpoint
+from torch.distributed._composable.checkpoint_activation import _no_hook
 from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY  # the composable API's per-module registry
 
 from memwrap.checkpointing.policies import (MODES, check_policy_name, find_blocks, parse_checkpoint_option,
@@ -131,7 +134,54 @@ def _contexts(selective: bool, norms: list[nn.Module]):
         with _keep_running_stats(norms), rec:
             yield
 
-    return fwd, recompute()
+    return fwd, _EachEntry(recompute)
+
+
+class _EachEntry:
+    """A context manager that may be entered again: each entry enters a fresh one from ``make()``.
+
+    Non-reentrant checkpoint enters its recompute context once per backward pass over the region; a second
+    backward over a retained graph (``retain_graph=True``, step_in_backward's norm pass) enters the same object
+    again, which a generator-based manager (``contextlib.contextmanager``) refuses.
+    """
+
+    def __init__(self, make):
+        self.make = make
+        self.open: list = []
+
+    def __enter__(self):
+        cm = self.make()
+        out = cm.__enter__()
+        self.open.append(cm)
+        return out
+
+    def __exit__(self, *exc):
+        return self.open.pop().__exit__(*exc)
+
+
+_EARLY_STOP = "early_stop" in inspect.signature(_checkpoint_without_reentrant_generator).parameters  # torch >= 2.7
+
+
+def _checkpoint_pre_hook(module: nn.Module, args, kwargs, context_fn=None) -> None:
+    """The composable API's forward pre-hook, with a recompute context that may be entered once per backward.
+
+    torch's own wraps the recompute context in a one-use ``_no_hook(module)`` generator, so a second backward over
+    a retained graph through a checkpointed module fails (AttributeError in contextlib). Same arguments as
+    memwrap's call (non-reentrant, RNG preserved, the default determinism check and early stop).
+    """
+    state = _composable_checkpoint.state(module)
+    if not state.enable_hook:
+        return
+
+    def contexts():
+        fwd, rec = context_fn() if context_fn is not None else (contextlib.nullcontext(), None)
+        return fwd, _EachEntry(lambda: _no_hook(module, rec))
+
+    extra = (True,) if _EARLY_STOP else ()
+    gen = _checkpoint_without_reentrant_generator(module, True, contexts, _DEFAULT_DETERMINISM_MODE, False, *extra,
+                                                   *args, **kwargs)
+    state._ac_generator = gen
+    next(gen)
 
 
 def _checkpoint_module(module: nn.Module, mode: str, offload: bool) -> None:
@@ -147,7 +197,10 @@ def _checkpoint_module(module: nn.Module, mode: str, offload: bool) -> None:
     # Explicit non-reentrant with RNG preserved: dropout masks match on recompute, frozen inputs
     # still give parameter gradients, and DDP sees each parameter ready once.
     _composable_checkpoint(module, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn)
-    hooks = [(module._forward_pre_hooks, k) for k in set(module._forward_pre_hooks) - before_pre]
+    added = set(module._forward_pre_hooks) - before_pre
+    if len(added) == 1:  # the composable API's pre-hook, replaced by one that survives a second backward
+        module._forward_pre_hooks[next(iter(added))] = functools.partial(_checkpoint_pre_hook, context_fn=context_fn)
+    hooks = [(module._forward_pre_hooks, k) for k in added]
     hooks += [(module._forward_hooks, k) for k in set(module._forward_hooks) - before_post]
     if offload:
         hooks += _offload_hooks(module)
@@ -332,6 +385,9 @@ def check_wrap(call) -> dict | None:
         {'policy': {'Linear'}}
     """
     how = parse_checkpoint_option(call.opts.checkpoint)
+    if call.model is not None and how is None:
+        existing = current_report(call.model) or current_report(checkpoint_target(call.model))
+        _refuse_selective_norm_pass(call, existing.mode if existing is not None else None)
     if how is None or call.model is None:
         return None
     model = call.model
@@ -346,8 +402,9 @@ def check_wrap(call) -> dict | None:
             "remove it. Fix: drop checkpoint= (wrap() keeps and reports the existing checkpointing), unwrap the earlier "
             "wrapped model, or call memwrap.remove_checkpointing(model) first."
         )
-    policy, every, _, _ = resolve_policy(how["policy"], how.get("every", 1), how.get("mode", "full"),
-                                         how.get("offload", False))
+    policy, every, mode, _ = resolve_policy(how["policy"], how.get("every", 1), how.get("mode", "full"),
+                                            how.get("offload", False))
+    _refuse_selective_norm_pass(call, mode)
     chosen = select_modules(target, policy)[::every]  # a policy that selects nothing fails here
     foreign = [name for name, m in chosen if "checkpoint" in (m.__dict__.get(REGISTRY_KEY) or {})]
     if foreign:
@@ -356,6 +413,22 @@ def check_wrap(call) -> dict | None:
             "memwrap. Fix: remove that call and let wrap(checkpoint=...) do it, or drop checkpoint=."
         )
     return {"checkpoint": how}
+
+
+def _refuse_selective_norm_pass(call, mode: str | None) -> None:
+    """step_in_backward with clipping or fp16 runs the last micro-batch's backward twice over its graph (the norm
+    pass, memwrap.techniques.norm_pass); torch's selective checkpoint allows one backward per region."""
+    opts = call.opts
+    if mode != "selective" or not getattr(opts, "step_in_backward", False):
+        return
+    if opts.max_grad_norm is None and not call.precision.uses_scaler:
+        return
+    what = f"max_grad_norm={opts.max_grad_norm}" if opts.max_grad_norm is not None else f"precision={opts.precision!r}"
+    raise ValueError(
+        f"checkpoint mode 'selective' with step_in_backward=True and {what}: the norm pass backpropagates the "
+        "window's last micro-batch twice (once for the global norm, once to step), and torch's selective "
+        "checkpoint allows only one backward per checkpointed region. Fix: checkpoint='full' (recomputed in both "
+        "passes), or drop step_in_backward (or the clipping / fp16).")
 
 
 def _refuse_compiled(model: nn.Module) -> None:

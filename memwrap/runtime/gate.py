@@ -41,6 +41,9 @@ class AccumulationGate:
         # A weak reference to a callable run when a backward pass reaches the wrapped model's outputs (step_in_backward
         # checks there that no second backward follows its updates); held weakly so the gate keeps no optimizer alive.
         self.backward_watch: Any = None
+        # A weak reference to step_in_backward's norm pass (memwrap.techniques.norm_pass), or None: the wrapped model
+        # hands it the outputs of each forward and memwrap.backward runs its two passes.
+        self.norm_pass: Any = None
 
     @property
     def backward_seen(self) -> bool:

@@ -206,12 +206,20 @@ class WrappedModule(nn.Module):
         needs_hook = factor is not None or (training and self._gate.watches_backward)
         hook = _GradScale(factor, self._hooks_bypassed, self._gate, zero=self._gate.weight() == 0) if needs_hook else None
         found = []
+        aliases = []
 
         def finish(t: torch.Tensor) -> torch.Tensor:
             found.append(True)
-            return _finish_output(t, hook)
+            out = _finish_output(t, hook)
+            if hook is not None and out.requires_grad:
+                aliases.append(out)
+            return out
 
         outputs = map_outputs(outputs, finish)
+        norm = self._norm_pass()
+        if norm is not None and aliases:
+            # step_in_backward with clipping or fp16: the first pass starts where these outputs get their gradient.
+            norm.track(aliases)
         # Only when no tensor was found at all: tensors that do not require grad (a frozen model run in
         # grad mode) are a plain forward, not an output memwrap failed to see into.
         weighs = factor is not None or (training and self._gate.accumulate > 1)  # not only watching (step_in_backward)
@@ -297,9 +305,18 @@ class WrappedModule(nn.Module):
         previous = self._hooks_bypassed.on
         self._hooks_bypassed.on = True
         try:
-            (loss if factor is None else loss * factor).backward(**kwargs)
+            weighted = loss if factor is None else loss * factor
+            norm = self._norm_pass()
+            if norm is not None:  # step_in_backward with clipping or fp16: both passes from the loss itself
+                norm.backward(weighted, **kwargs)
+            else:
+                weighted.backward(**kwargs)
         finally:
             self._hooks_bypassed.on = previous
+
+    def _norm_pass(self) -> Any:
+        ref = self._gate.__dict__.get("norm_pass")
+        return ref() if ref is not None else None
 
     def _grad_factor(self) -> float | torch.Tensor | None:
         weight = self._gate.weight()

@@ -28,9 +28,14 @@ How one parameter is stepped, exactly as the whole optimizer would step it:
   parameters (a global norm inside ``step``); the optimizer's own step hooks do not fire per
   parameter.
 
-What is refused at ``wrap()``, each with the fix: a closure-based optimizer (LBFGS); clipping by
-global norm (``max_grad_norm``: the norm needs every gradient before the first update); fp16 loss
-scaling (its non-finite check must see every gradient before any parameter changes); DDP/FSDP2
+Clipping by global norm (``max_grad_norm``) and fp16 loss scaling need every gradient of the
+window before the first update; with either, the window's last backward runs twice over the graph
+(:mod:`memwrap.techniques.norm_pass`): a first pass takes the global norm (and finiteness) one
+parameter at a time and frees each gradient, the second steps each parameter clipped and unscaled,
+or skips the whole update when the norm is not finite, exactly as ``unscale_``, ``clip_grad_norm_``,
+``step`` and ``GradScaler.update`` would.
+
+What is refused at ``wrap()``, each with the fix: a closure-based optimizer (LBFGS); DDP/FSDP2
 (a gradient is final only after its reduction, which the hook precedes); a torch-optimi optimizer
 built without ``gradient_release=True``; an optimizer from a library not known to keep all its
 state per parameter (:data:`PER_PARAMETER_FAMILIES`). A view whose step changes its group (a
@@ -40,8 +45,8 @@ The parameters stepped are the optimizer's at each window: one made trainable af
 layer unfrozen, ``optimizer.add_param_group(...)``) gets its hook at the next window's end, and in
 the window where it first has a gradient ``step()`` steps it from ``.grad``, as the ordinary step would.
 
-A non-finite gradient cannot skip the whole update (earlier parameters have stepped by the time a
-later one is seen), and deciding per parameter on the host would stall the backward once per
+Without the norm pass (no clipping, no fp16) a non-finite gradient cannot skip the whole update
+(earlier parameters have stepped by the time a later one is seen), and deciding per parameter on the host would stall the backward once per
 parameter. The check stays on the device: each gradient's norm (a reduction, no temporary the size
 of the gradient) flags it, a non-finite gradient is replaced by zeros (the parameter stays finite;
 its momentum and weight decay still act, SGD without them leaves it unchanged), and ``step()`` reads
@@ -63,9 +68,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from memwrap.runtime.optimizer import _no_values, _total_norm
+from memwrap.techniques.norm_pass import NormPass, needs_norm_pass
 from memwrap.integrations.accelerate import accelerated_optimizer
 from memwrap.runtime.distributed import sync_control
-from memwrap.runtime.optimizer import _no_values, _total_norm
 
 __all__ = ["StepInBackward", "check_step_in_backward", "gradient_bytes_held", "PER_PARAMETER_FAMILIES"]
 
@@ -87,19 +93,16 @@ def check_step_in_backward(model: nn.Module | None, optimizer: torch.optim.Optim
         raise ValueError(f"step_in_backward=True with {name}: a closure-based optimizer re-evaluates the loss inside "
                          "step(), which cannot run inside backward. Fix: drop step_in_backward, or use a first-order "
                          "optimizer (AdamW, SGD, ...).")
-    if opts.max_grad_norm is not None:
+    # Clipping (max_grad_norm) and fp16 loss scaling are not refused: the norm pass (memwrap.techniques.norm_pass)
+    # takes the window's global norm in a first pass over the last micro-batch's graph before anything steps.
+    missing = [name for name in ("_current_graph_task_id", "_will_engine_execute_node") if not hasattr(torch._C, name)]
+    if (opts.max_grad_norm is not None or precision.uses_scaler) and missing:
+        # Private engine queries the norm pass needs (which outputs this backward reaches, which pass is running).
         raise ValueError(
-            f"step_in_backward=True with max_grad_norm={opts.max_grad_norm}: clipping by global norm needs every "
-            "gradient before the first parameter changes, and inside backward the first parameter is updated before "
-            "the last gradient exists. memwrap does not clip differently in silence. Fix: drop max_grad_norm; or drop "
-            "step_in_backward and save memory otherwise (an 8-bit or factored optimizer, checkpointing, accumulate=); "
-            "an exact norm would need a second backward pass per step (as LOMO does), which memwrap does not run.")
-    if precision.uses_scaler:
-        raise ValueError(
-            f"step_in_backward=True with precision={opts.precision!r}: loss scaling must see that every gradient is "
-            "finite before any parameter changes (or skip the whole update), and inside backward parameters change "
-            "before the last gradient exists. Fix: use precision='bf16' or 'bf16-true' (no loss scaling), or drop "
-            "step_in_backward.")
+            f"step_in_backward=True with {'max_grad_norm' if opts.max_grad_norm is not None else opts.precision}: the "
+            f"norm pass needs torch._C.{', torch._C.'.join(missing)}, which torch {torch.__version__} lacks. Fix: "
+            "use a torch that has them (memwrap is tested on 2.13), or drop step_in_backward.")
+
     if sync_control(model) is not None:
         raise ValueError(
             f"step_in_backward=True on a {type(model).__name__} (DDP/FSDP2): a gradient is final only after its "
@@ -132,6 +135,7 @@ def check_updates_in_backward(name: str | None, opts: Any, precision: Any, model
     """
     if name is None:
         return
+
     if model is not None and sync_control(model) is not None:
         # Measured (2 ranks, gloo): under DDP, LOMO's hooks update with each rank's own gradient before the all-reduce,
         # and the ranks' weights drift apart (0.16 after one update); under FSDP2 its hooks sit on the sharded
@@ -164,6 +168,7 @@ def _refuse_optimizer_wrapper(optimizer: torch.optim.Optimizer) -> None:
     if inner is None:
         return
     name, inner_name = type(optimizer).__name__, type(inner).__name__
+
     if accelerated_optimizer(optimizer) is not None:
         raise ValueError(
             f"step_in_backward=True with accelerate's AcceleratedOptimizer around {inner_name}: memwrap steps one "
@@ -221,6 +226,11 @@ class StepInBackward:
             for state in self.optimizer.state.values():  # linked again before each step (_OptimiStep)
                 state.pop("group", None)
         self._hook = _Hook(weakref.ref(self))
+        # Clipping or fp16: the window's last backward runs a first pass for the global norm (see norm_pass).
+        self.norm: NormPass | None = None
+        if needs_norm_pass(wrapped.max_grad_norm, wrapped.scaler):
+            self.norm = NormPass(wrapped, self._names)
+            self.gate.norm_pass = weakref.ref(self.norm)
         self.follow_param_groups()
         # The wrapped model's output hooks call this at the start of each backward pass (see check_backward_start).
         self.gate.backward_watch = weakref.WeakMethod(self.check_backward_start)
@@ -280,6 +290,17 @@ class StepInBackward:
     def _on_gradient(self, param: torch.Tensor) -> None:
         if not self.gate.closes_window() or id(param) not in self._steppers:
             return  # an earlier micro-batch of the window (the gradient keeps accumulating), or not the optimizer's
+        norm = self.norm
+        if norm is not None:
+            if norm.running:  # the first pass: this parameter's window gradient gives its norm, then is freed
+                norm.contribute(param)
+                return
+            if not norm.ready:
+                # No first pass ran before this gradient (the backward does not go through the model's outputs):
+                # keep it; step() takes the norm from the gradients as they are and steps them (the ordinary clipped
+                # step). A gradient that overtakes the outputs of this micro-batch is refused there.
+                norm.hold(param)
+                return
         if id(param) in self._stepped:
             raise RuntimeError(
                 f"step_in_backward: parameter {self._name(param)} got a second gradient in the window's last "
@@ -288,9 +309,22 @@ class StepInBackward:
         self._step(param)
 
     def _step(self, param: torch.Tensor) -> None:
+        if not self._stepped:
+            # The backward that steps first in this window (not necessarily the first to reach the outputs: the norm
+            # pass's first pass steps nothing); a parameter reached before the outputs (a loss term on the parameter
+            # itself) steps before check_backward_start sees this backward, which is not a second one.
+            task = _graph_task_id()
+            self._task = task if task >= 0 else None
         self._stepped.add(id(param))
         grad = param.grad
         if grad is None:
+            return
+        if self.norm is not None:
+            with torch.no_grad():
+                if self.norm.finite:  # else the whole update is skipped: the gradient is only freed
+                    self.norm.prepare(grad)  # unscaled (fp16) and clipped, as unscale_ and clip_grad_norm_ do
+                    self._steppers[id(param)].step()
+            param.grad = None
             return
         with torch.no_grad():
             # Checked on the device, without waiting for it: a norm is a reduction (no temporary the size of the
@@ -310,6 +344,8 @@ class StepInBackward:
         ``FloatingPointError`` with ``on_nonfinite="raise"`` when a gradient was non-finite.
         """
         self.follow_param_groups()
+        if self.norm is not None:
+            self.norm.ensure_ready()  # a window whose last backward ran no first pass takes its norm here
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is not None and id(p) not in self._stepped:
@@ -320,6 +356,10 @@ class StepInBackward:
         # An LR scheduler built on the inner optimizer checks that its step() ran before the scheduler's; it did, one
         # parameter at a time, through views that torch's step counter does not see.
         self.optimizer._opt_called = True
+        if self.norm is not None:
+            # The norm pass decided for the whole window: applied, or skipped (counted by WrappedOptimizer.step as
+            # the ordinary step's skip); the GradScaler updates as after unscale_.
+            return self.norm.finish()
         left_out = _non_finite(flags)
         if left_out:
             self.partial_windows += 1
@@ -337,6 +377,9 @@ class StepInBackward:
         """Remove the hooks: the optimizer steps the ordinary way again."""
         _remove_handles(self._handles, self._hooks)
         self._steppers.clear()
+        if self.norm is not None and self.gate.__dict__.get("norm_pass") is not None \
+                and self.gate.norm_pass() is self.norm:
+            self.gate.norm_pass = None
         if self.gate.__dict__.get("backward_watch") is not None and self.gate.backward_watch() == self.check_backward_start:
             self.gate.backward_watch = None
 

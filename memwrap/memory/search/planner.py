@@ -464,7 +464,20 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
         try:
             base = traces.get((key, reference))
             if base is None:
-                base = trace_config(module, batch_fn, loss_fn, options, reference, world_size=ranks, strategy=strategy_)
+                try:
+                    base = trace_config(module, batch_fn, loss_fn, options, reference, world_size=ranks,
+                                        strategy=strategy_)
+                except ValueError:
+                    raise
+                except Exception:  # noqa: BLE001 - the reference optimizer's plugin failed, not the configuration
+                    if reference is None:
+                        raise
+                    # e.g. schedulefree refuses the steady-state priming step (its optimizers start in eval mode):
+                    # trace the group with the stateless stand-in; each optimizer is then traced (and may fail,
+                    # skipping only its own rows) below.
+                    reference = None
+                    base = traces.get((key, None)) or trace_config(module, batch_fn, loss_fn, options, None,
+                                                                   world_size=ranks, strategy=strategy_)
         except ValueError as exc:
             if first["checkpoint"] is None:
                 raise

@@ -5,8 +5,10 @@
   default compensation for an optimizer that has a compensated equivalent, and with ``compensation="none"`` for one
   that has none (bitsandbytes' paged 8-bit AdamW, as torchtune runs it): that candidate is marked as changing the
   training maths;
-* ``step_in_backward``: tried where :mod:`memwrap.techniques.step_in_backward` allows it (not with loss scaling, clipping by
-  global norm, several ranks, or an optimizer that already updates inside backward);
+* ``step_in_backward``: tried where :mod:`memwrap.techniques.step_in_backward` allows it (not with several ranks, an
+  optimizer that already updates inside backward, or selective checkpointing together with clipping or loss scaling);
+  with clipping (``max_grad_norm``) or fp16 the trace runs the norm pass (:mod:`memwrap.techniques.norm_pass`), so its
+  memory and its second backward's FLOPs are in the candidate's peak and cost;
 * ``chunked_loss``: tried where a loss-head plugin recognizes the model (:func:`memwrap.techniques.loss_head.find_loss_head`)
   and the micro-batch carries ``labels`` (the model computes its own loss);
 * paged / host optimizer state: an optimizer's ``OptimizerSpec.state_location``, read by the estimator.
@@ -26,6 +28,8 @@ from typing import Any
 import torch
 
 from memwrap.memory.budget import format_bytes
+from memwrap.checkpointing.apply import resolve_policy
+from memwrap.checkpointing.policies import parse_checkpoint_option
 from memwrap.plugin.registry import create_optimizer, get_optimizer_spec
 from memwrap.precision.base import UnknownPrecisionError, get_precision, get_precision_class, precision_names
 from memwrap.techniques.loss_head import LossHeadError, find_loss_head
@@ -110,9 +114,9 @@ def expand_techniques(specs: list[dict], sibs: tuple[bool, ...], chunks: tuple[A
     """Each spec times the technique values; those ``wrap()`` would refuse are left out with the reason.
 
     Example:
-        >>> expand_techniques([{"micro_batch": 1, "precision": "fp16", "checkpoint": None, "optim": "adamw"}],
+        >>> expand_techniques([{"micro_batch": 1, "precision": "fp16", "checkpoint": "selective", "optim": "adamw"}],
         ...                   (False, True), (False,), max_grad_norm=None, ranks=1)[1][0][1]  # doctest: +SKIP
-        'step_in_backward with fp16: loss scaling needs every gradient before any update'
+        'step_in_backward with fp16 and selective checkpointing: the norm pass backpropagates the last micro-batch twice, which selective checkpoint allows once'
     """
 
     out, refused = [], []
@@ -135,15 +139,25 @@ def expand_techniques(specs: list[dict], sibs: tuple[bool, ...], chunks: tuple[A
 
 
 def _refusal(spec: dict, precision: Any, optim: Any, max_grad_norm: Any, ranks: int) -> str | None:
-    if precision.uses_scaler:
-        return f"step_in_backward with {spec['precision']}: loss scaling needs every gradient before any update"
-    if max_grad_norm is not None:
-        return "step_in_backward with max_grad_norm: clipping by global norm needs every gradient before any update"
+    if (precision.uses_scaler or max_grad_norm is not None) and _checkpoint_mode(spec["checkpoint"]) == "selective":
+        # Clipping and loss scaling run the norm pass (memwrap.techniques.norm_pass): a second backward over the last
+        # micro-batch's graph, which torch's selective checkpoint does not allow (wrap() refuses it the same way).
+        return (f"step_in_backward with {'max_grad_norm' if max_grad_norm is not None else spec['precision']} and "
+                "selective checkpointing: the norm pass backpropagates the last micro-batch twice, which selective "
+                "checkpoint allows once")
     if ranks > 1:
         return "step_in_backward with several ranks: a gradient is final only after its reduction"
     if optim.updates_in_backward:
         return f"step_in_backward with {optim.name}: it already updates inside backward"
     return None
+
+
+def _checkpoint_mode(checkpoint: Any) -> str | None:
+    """The checkpoint mode (``"full"``, ``"selective"``, ...) a plan's ``checkpoint`` value applies, None for none."""
+    how = parse_checkpoint_option(checkpoint)
+    if how is None:
+        return None
+    return resolve_policy(how["policy"], how.get("every", 1), how.get("mode", "full"), how.get("offload", False))[2]
 
 
 def technique_tags(extra: dict) -> str:
