@@ -1,10 +1,13 @@
 import os
+import tempfile
 
 import pytest
 import torch
 
 # Two cores are shared by everything on CI machines; oversubscription only slows tests down.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Kernel workspace fits (memwrap/memory/tracing/workspace.py) go to a folder of this test session, never the user's cache.
+os.environ.setdefault("MEMWRAP_CACHE_DIR", tempfile.mkdtemp(prefix="memwrap-test-cache-"))
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

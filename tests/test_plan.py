@@ -419,7 +419,7 @@ def test_a_reference_optimizer_whose_plugin_fails_skips_only_its_rows():
 
     build = lambda: GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32))  # noqa: E731
     make = lambda mb: (torch.zeros(mb, 16, dtype=torch.long),) * 2  # noqa: E731
-    grid = dict(budget="1GiB", global_batch=2, micro_batches=(2,), precisions=("fp32",), checkpoints=(None,),
+    grid = dict(budget="1GiB", margin=(0, 0), global_batch=2, micro_batches=(2,), precisions=("fp32",), checkpoints=(None,),
                 keep_optim=None, step_in_backward=(False,), chunked_loss=(False,))
     p = plan(build, make, optimizers=("schedule_free_adamw", "sgd"), **grid)
     assert [c.optim for c in p.candidates] == ["sgd"]

@@ -32,6 +32,7 @@ from torch import nn
 from memwrap.memory.budget import format_bytes
 from memwrap.memory.tracing.depth import extrapolation_depths
 from memwrap.memory.tracing.trace import Segment, Stack, TraceResult, find_stack, run_trace
+from memwrap.memory.tracing.workspace import Workspace, enabled as workspace_enabled
 from memwrap.config.options import parse_options
 from memwrap.plugin.registry import create_optimizer, get_optimizer_spec
 from memwrap.plugin.state_size import predict_state_bytes
@@ -100,6 +101,7 @@ class Trace:
     strategy: str | None = None
     stack: str | None = None  # the repeated block stack (FSDP2 shards each of its blocks)
     param_dtype: torch.dtype | None = None  # the precision's storage dtype (bf16-true: bf16), None: the model's
+    workspace: dict[str, dict] = dataclasses.field(default_factory=dict)  # measured kernel workspaces (TraceResult's)
 
 
 def _optimizer_factory(name: str | None):
@@ -213,11 +215,12 @@ def _trace_config(model, make_batch, loss_fn, options, optimizer, extrapolate, s
             top = _collapse(tb.top_modules, stack)
             method = f"extrapolated from traces with {a} and {b} of {n} blocks ({stack.name})"
             return Trace(segments, state, flops, ops, top, tb.micro_batches, optimizer, method,
-                         time.perf_counter() - start, stack=stack.name)
+                         time.perf_counter() - start, stack=stack.name, workspace=tb.workspace)
     tr = runner(model, make_batch, loss_fn, options, factory, stack=stack)
     segments = {k_: dataclasses.replace(s, where=_rename(s.where, None, None, None)) for k_, s in tr.segments.items()}
     return Trace(segments, tr.state_bytes, tr.flops, tr.ops, _collapse(tr.top_modules, stack), tr.micro_batches,
-                 optimizer, "full trace", time.perf_counter() - start, stack=stack.name if stack else None)
+                 optimizer, "full trace", time.perf_counter() - start, stack=stack.name if stack else None,
+                 workspace=tr.workspace)
 
 
 def _shift(seg: Segment, delta: int) -> Segment:
@@ -226,13 +229,16 @@ def _shift(seg: Segment, delta: int) -> Segment:
     return Segment(seg.total + delta, cats, seg.host, seg.where)
 
 
-def derive(trace: Trace, optimizer: str, model: nn.Module, *, force: bool = False) -> Trace | None:
+def derive(trace: Trace, optimizer: str, model: nn.Module, *, force: bool = False,
+           workspace: bool | None = None) -> Trace | None:
     """The trace for ``optimizer`` from one traced with another optimizer (or the stand-in).
 
     Optimizer state is alive through the whole step, so a different optimizer shifts every
     segment by the difference in state bytes (plugin ``state_bytes``, exact). The optimizer-step
     segment of an optimizer that cannot run on fake tensors is the step's entry snapshot plus its
-    state: kernel temporaries of such optimizers are not modelled. Returns None when
+    state, plus (unless ``workspace`` is False, or None with ``MEMWRAP_WORKSPACE=0``) the step's temporaries for
+    the largest trainable parameter, measured with real steps on the device
+    (:meth:`memwrap.memory.tracing.workspace.Workspace.step_temporary`). Returns None when
     ``optimizer`` runs on fake tensors and differs from the traced one (trace it instead), unless ``force``:
     then the shifted trace is a lower bound for it (its step's temporaries are missing), which the planner uses
     to skip tracing an optimizer that cannot fit whatever its step needs.
@@ -252,11 +258,42 @@ def derive(trace: Trace, optimizer: str, model: nn.Module, *, force: bool = Fals
         if key[1:] == ("optimizer", "step"):
             continue
         segments[key] = _shift(seg, delta)
+    # An optimizer that runs on fake tensors is derived only as a lower bound (force): its step is traced, not probed.
+    step, used = (0, {}) if spec.runs_on_fake else _step_temporary(trace, spec.name, model, workspace)
     for key, seg in list(segments.items()):
         if key[1:] == ("optimizer", "prepare"):
-            segments[(key[0], "optimizer", "step")] = seg
+            segments[(key[0], "optimizer", "step")] = Segment(
+                seg.total + step, {**seg.bytes, "temporaries": seg.bytes["temporaries"] + step}, seg.host, seg.where)
     state = {**trace.state, "optimizer_state": new_state}
-    return dataclasses.replace(trace, segments=segments, state=state, optimizer=spec.name)
+    return dataclasses.replace(trace, segments=segments, state=state, optimizer=spec.name,
+                               workspace={**trace.workspace, **used})
+
+
+def _step_temporary(trace: Trace, name: str, model: nn.Module, workspace: bool | None) -> tuple[int, dict]:
+    """Measured step temporaries of optimizer ``name`` for the model's largest trainable parameter, and the report
+    row; (0, {}) when turned off, for a sharded trace, or for a model that lives on another device than the fake CPU
+    trace (its kernels would differ)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not workspace_enabled(workspace) or not params or trace.strategy is not None \
+            or params[0].device.type not in ("cpu", "meta"):
+        return 0, {}
+    largest = max(p.numel() for p in params)
+
+    def build(m: nn.Module):
+        try:
+            return create_optimizer(name, m.parameters(), model=m)
+        except TypeError:  # a factory that needs a learning rate (optimi's StableAdamW): any, the step's size is the same
+            return create_optimizer(name, m.parameters(), model=m, lr=1e-3)
+
+    try:
+        got = Workspace(torch.device("cpu")).step_temporary(name, build, largest, trace.param_dtype or params[0].dtype)
+    except Exception as exc:  # noqa: BLE001 the optimizer cannot step a lone CPU tensor: no term, and the report says so
+        row = {"bytes": 0, "calls": 0, "kept": 0, "kind": f"not measured ({type(exc).__name__}: {str(exc)[:120]})"}
+        return 0, {f"optimizer step ({name})": row}
+    if got is None:
+        return 0, {}
+    step, fit = got
+    return step, {fit["op"]: {"bytes": step, "calls": 1, "kept": 0, "kind": fit["kind"]}}
 
 
 # ----------------------------------------------------------------------------- the result
@@ -314,6 +351,10 @@ class Estimate:
     # model(**batch); outputs.loss.backward()``); False, they are dropped once the loss is computed (``loss =
     # model(**batch).loss``, Trainer). Not a wrap() option, so not in ``options``.
     keep_outputs: bool = True
+    # Kernel workspaces measured on the device and added to the trace (memwrap.memory.tracing.workspace): op ->
+    # {"bytes": largest transient at the op, "kept": largest workspace output kept for backward, "calls", "kind":
+    # "fit" (checked on a held-out size) or "bound" (no fit held: an upper bound)}. Empty when turned off.
+    workspace: dict[str, dict] = dataclasses.field(default_factory=dict)
 
     @property
     def host(self) -> int:
@@ -354,6 +395,15 @@ class Estimate:
                                    "outputs.loss.backward()); keep_outputs=False if your loop drops them"
                                    if self.keep_outputs else "the model's outputs dropped once the loss is computed "
                                    "(loss = model(...).loss, as Trainer does)"))
+        for op, row in self.workspace.items():
+            if row["kind"] not in ("fit", "bound"):  # no term: the probe could not run (its reason)
+                lines.append(f"  kernel workspace {op}: {row['kind']}, no term added")
+                continue
+            lines.append(f"  kernel workspace {op}: {format_bytes(row['bytes'])} transient"
+                         + (f", {format_bytes(row['kept'])} kept for backward" if row.get("kept") else "")
+                         + f" ({row['calls']} calls; measured on the device, "
+                         + ("fitted, checked on a held-out size)" if row["kind"] == "fit" else
+                            "no fit held on the held-out size: an upper bound)"))
         lines.append("  phase peaks: " + ", ".join(f"{p} {format_bytes(v)}" for p, v in self.phases.items()))
         if self.top_modules:
             lines.append("  largest forward activations: " + ", ".join(
@@ -388,19 +438,21 @@ def finish(trace: Trace, options: dict[str, Any], optimizer: str) -> Estimate:
     grads = max((s.bytes["gradients"] for s in trace.segments.values()), default=0)
     state = {**trace.state, "gradients": grads}
     keep = bool(options.get("keep_outputs", True))
-    options = {k: v for k, v in options.items() if k != "keep_outputs"}
+    options = {k: v for k, v in options.items() if k not in ("keep_outputs", "workspace")}
     return Estimate(options=dict(options), optimizer=optimizer, keep_outputs=keep, peak=seg.total, breakdown=dict(seg.bytes),
                     peak_phase=key[1], peak_module=seg.where, peak_micro_batch=key[0] + 1, phases=phases,
                     state=state, top_modules=list(trace.top_modules), flops=trace.flops * accumulate,
                     flops_per_micro_batch=trace.flops, ops_per_micro_batch=trace.ops,
                     offloaded=max((s.host for s in trace.segments.values()), default=0),
                     method=trace.method, seconds=trace.seconds, world_size=trace.world_size,
-                    strategy=trace.strategy, stack=trace.stack, paged_state=paged, host_state=host)
+                    strategy=trace.strategy, stack=trace.stack, paged_state=paged, host_state=host,
+                    workspace=dict(trace.workspace))
 
 
 def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn: Callable | None = None,
              optimizer: str = "adamw", extrapolate: bool | str = "auto", world_size: int = 1,
-             strategy: str | None = None, keep_outputs: bool = True, **wrap_options: Any) -> Estimate:
+             strategy: str | None = None, keep_outputs: bool = True, workspace: bool | None = None,
+             **wrap_options: Any) -> Estimate:
     """Predict the memory of one steady-state training step under ``memwrap.wrap(**wrap_options)``.
 
     Runs the step (forward, loss, backward, optimizer update, with the optimizer state already
@@ -417,6 +469,10 @@ def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn:
     live through backward and the step, and the previous update's through the next forward); False when they are
     dropped once the loss is computed (``loss = model(**batch).loss``; Trainer's ``compute_loss``). The report says
     which was planned.
+
+    ``workspace``: add kernel workspaces the fake trace cannot see (oneDNN convolution and RNN buffers), measured
+    with small real calls on the device and cached on disk (:mod:`memwrap.memory.tracing.workspace`); None (the
+    default) follows ``MEMWRAP_WORKSPACE`` (on unless ``0``). The report lists each op that got a term.
 
     ``world_size=N, strategy="fsdp2" | "ddp"``: the peak of one of ``N`` data-parallel ranks, each
     running ``batch`` as its micro-batch (the global batch is ``micro-batch x accumulate x N``).
@@ -439,6 +495,9 @@ def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn:
         raise TypeError(f"estimate(keep_outputs={keep_outputs!r}) must be True (the loop holds the model's outputs "
                         "through backward: outputs = model(**batch); outputs.loss.backward()) or False (loss = "
                         "model(**batch).loss, Trainer's compute_loss).")
+    if workspace is not None and not isinstance(workspace, bool):
+        raise TypeError(f"estimate(workspace={workspace!r}) must be True, False or None (None: on unless the "
+                        "environment sets MEMWRAP_WORKSPACE=0).")
     wrap_options = parse_options(**wrap_options).to_kwargs()  # wrap()'s validation, canonical names
     opt_name = get_optimizer_spec(wrap_options.get("optim") or optimizer).name
     if strategy == "fsdp2":
@@ -448,8 +507,9 @@ def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn:
     module = resolve_model(model)
     make_batch = resolve_batch(batch)
     traced = opt_name if get_optimizer_spec(opt_name).runs_on_fake else None
-    options = {**wrap_options, "keep_outputs": keep_outputs}  # the loop's shape travels with the traced options
+    # The loop's shape and the workspace switch travel with the traced options (not wrap() options).
+    options = {**wrap_options, "keep_outputs": keep_outputs, "workspace": workspace}
     trace = trace_config(module, make_batch, loss_fn, options, traced, extrapolate=extrapolate,
                          world_size=world_size, strategy=strategy)
-    trace = derive(trace, opt_name, module)
+    trace = derive(trace, opt_name, module, workspace=workspace)
     return finish(trace, options, opt_name)

@@ -33,12 +33,13 @@ from memwrap.precision.base import get_precision
 from memwrap.runtime.outputs import map_outputs
 import memwrap.memory.tracing.fake_kernels  # noqa: F401  fake kernels the trace needs (MoE grouped_mm in fp32)
 from memwrap.memory.tracing.grad_accumulation import InPlaceAccumulation
+from memwrap.memory.tracing.workspace import Workspace, enabled as workspace_enabled
 
 __all__ = ["CATEGORIES", "NOT_WRAP_OPTIONS", "Stack", "TraceResult", "find_stack", "fake_model", "output_bytes", "truncated", "run_trace", "split_batch", "default_loss"]  # noqa: the last two re-exported from batch.py
 
 # Keys of a traced configuration that are not wrap() options: the optimizer's registry name, wrap-time objects, and
 # the loop's shape (whether it keeps the model's outputs through backward; see drive_step).
-NOT_WRAP_OPTIONS = ("optim", "monitor", "count_items", "keep_outputs")
+NOT_WRAP_OPTIONS = ("optim", "monitor", "count_items", "keep_outputs", "workspace")
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries", "other")
 _CAT = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers", _MemRefType.GRAD: "gradients",
         _MemRefType.OPT: "optimizer_state", _MemRefType.ACT: "activations", _MemRefType.TEMP: "temporaries",
@@ -92,6 +93,9 @@ class TraceResult:
     micro_batches: int
     depth: int | None
     seconds: float
+    # ops given a measured kernel workspace: name -> {"bytes": largest transient, "kept": largest placeholder output
+    # resized, "calls", "kind": "fit" | "bound"} (see memwrap.memory.tracing.workspace)
+    workspace: dict[str, dict] = dataclasses.field(default_factory=dict)
 
 
 def _is_bw() -> bool:
@@ -130,6 +134,8 @@ class SegmentMixin:
         self._flop_registry = flop_registry
         # The engine's in-place gradient accumulation, which the dispatch mode itself turns off (observer effect).
         self.accumulation = InPlaceAccumulation()
+        # Kernel workspaces the dispatcher never sees, measured on the device (run_trace sets it; None: not modelled).
+        self.workspace: Workspace | None = None
 
     def key(self) -> tuple:
         if self._in_opt:
@@ -142,7 +148,8 @@ class SegmentMixin:
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         func = self.accumulation.rewrite(func, args, kwargs)
-        res = super().__torch_dispatch__(func, types, args, kwargs)
+        call = func if self.workspace is None else self.workspace.wrap(func, args, kwargs)
+        res = super().__torch_dispatch__(call, types, args, kwargs)
         self.accumulation.made(res)
         # torch's own FLOP formulas (FlopCounterMode's registry); FlopCounterMode itself is not
         # used because its module tracking keeps checkpoint-recomputed tensors alive.
@@ -169,6 +176,10 @@ class SegmentMixin:
         key = self.key()
         self.ops[key[1]] += 1
         total, dev, host = self.current()
+        scratch = self.workspace.take() if self.workspace is not None else 0
+        if scratch:  # the kernel's workspace is alive during the op only: in this op's snapshot, freed after it
+            dev["temporaries"] += scratch
+            total += scratch
         seg = self.segments.get(key)
         if seg is None or total > seg.total:
             parents = self._mod_tracker.parents
@@ -318,6 +329,10 @@ def run_trace(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Callable
             inner.zero_grad(set_to_none=True)
         wmodel, wopt = memwrap.wrap(fmodel, inner, **wrap_opts)
         tracker = _SegmentTracker(dev)
+        if workspace_enabled(options.get("workspace")) and _home(model) in (dev.type, "meta"):
+            # Probed on the traced device only: a model that lives elsewhere (CUDA) would run other kernels
+            # (cuDNN, not the oneDNN ops this fake CPU trace records).
+            tracker.workspace = Workspace(dev)
         if not count_flops:
             tracker._flop_registry = {}
         batches = [_to_fake(make_batch(), mode, dev) for _ in range(n_mb)]
@@ -327,9 +342,18 @@ def run_trace(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Callable
                          keep_outputs=bool(options.get("keep_outputs", True)))
         total_flops = tracker.flops
     del batches, wmodel, wopt, inner, fmodel
+    if tracker.workspace is not None:
+        tracker.workspace.emit()  # outside the block above, which silences the traced code's warnings
     ops = (tracker.ops["forward"] + tracker.ops["backward"]) // n_mb
     return TraceResult(tracker.segments, state, total_flops // n_mb, ops, top, n_mb, depth,
-                       time.perf_counter() - start)
+                       time.perf_counter() - start, dict(tracker.workspace.used) if tracker.workspace else {})
+
+
+def _home(model: nn.Module) -> str:
+    """The device type the model's first parameter or buffer lives on ("meta" for none or a meta-built model)."""
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        return t.device.type
+    return "meta"
 
 
 def _precision(options: dict[str, Any]):
