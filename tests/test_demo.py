@@ -109,7 +109,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert planner["target"] == 0.10 and {r["model"] for r in planner["rows"]} == {"gpt2-tiny", "resnet50"}
     for row in planner["rows"]:
         if "known_gap" in row:  # bitsandbytes' CPU step temporaries (issue 20): reported, with its reason
-            assert row["options"].get("optim") == "adamw_8bit" and row["ratio"] > 1, row
+            # The measured step term (8-bit state) over-counts the embedding's 32-bit-state step: over, not under.
+            assert row["options"].get("optim") == "adamw_8bit" and 0.8 < row["ratio"] < 1, row
             continue
         assert abs(row["ratio"] - 1) <= 0.10, row
     assert doc["suggested_margin"] is None  # it needs CUDA's reserved bytes
