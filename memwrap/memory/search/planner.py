@@ -25,6 +25,7 @@ from torch import nn
 from memwrap.memory.budget import format_bytes, parse_budget, unit_for
 from memwrap.memory.search.cost import cost_terms
 from memwrap.memory.tracing.estimator import Estimate, derive, finish, resolve_model, trace_config
+from memwrap.memory.tracing.trace import TRACE_ONLY_OPTIONS
 from memwrap.memory.margin import Margin
 # How fitting candidates are ordered (memwrap.memory.search.ranking); rank stays importable from here.
 from memwrap.memory.search.ranking import _approximates, rank
@@ -586,8 +587,8 @@ def _candidate(spec: dict, options: dict, est: Estimate, margin: Margin, budget:
                        paged_spill=max(0, est.paged_state - max(0, budget - est.peak - margin.of(est.peak))),
                        host_state=est.host_state)
     extra = margin.of(est.peak)
-    others = {k: v for k, v in options.items() if k not in ("precision", "accumulate", "checkpoint", "optim",
-                                                             "keep_outputs")}
+    others = {k: v for k, v in options.items()
+              if k not in ("precision", "accumulate", "checkpoint", "optim", *TRACE_ONLY_OPTIONS)}
     return Candidate(spec["micro_batch"], options["accumulate"], spec["precision"], spec["checkpoint"],
                      spec["optim"], est, extra, est.peak + extra <= budget, sum(terms.values()), terms,
                      extra=others)

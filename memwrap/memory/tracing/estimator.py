@@ -31,7 +31,7 @@ from torch import nn
 
 from memwrap.memory.budget import format_bytes
 from memwrap.memory.tracing.depth import extrapolation_depths
-from memwrap.memory.tracing.trace import Segment, Stack, TraceResult, find_stack, run_trace
+from memwrap.memory.tracing.trace import TRACE_ONLY_OPTIONS, Segment, Stack, TraceResult, find_stack, run_trace
 from memwrap.memory.tracing.workspace import Workspace, enabled as workspace_enabled
 from memwrap.config.options import parse_options
 from memwrap.plugin.registry import create_optimizer, get_optimizer_spec
@@ -438,7 +438,7 @@ def finish(trace: Trace, options: dict[str, Any], optimizer: str) -> Estimate:
     grads = max((s.bytes["gradients"] for s in trace.segments.values()), default=0)
     state = {**trace.state, "gradients": grads}
     keep = bool(options.get("keep_outputs", True))
-    options = {k: v for k, v in options.items() if k not in ("keep_outputs", "workspace")}
+    options = {k: v for k, v in options.items() if k not in TRACE_ONLY_OPTIONS}
     return Estimate(options=dict(options), optimizer=optimizer, keep_outputs=keep, peak=seg.total, breakdown=dict(seg.bytes),
                     peak_phase=key[1], peak_module=seg.where, peak_micro_batch=key[0] + 1, phases=phases,
                     state=state, top_modules=list(trace.top_modules), flops=trace.flops * accumulate,

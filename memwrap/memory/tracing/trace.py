@@ -35,11 +35,13 @@ import memwrap.memory.tracing.fake_kernels  # noqa: F401  fake kernels the trace
 from memwrap.memory.tracing.grad_accumulation import InPlaceAccumulation
 from memwrap.memory.tracing.workspace import Workspace, enabled as workspace_enabled
 
-__all__ = ["CATEGORIES", "NOT_WRAP_OPTIONS", "Stack", "TraceResult", "find_stack", "fake_model", "output_bytes", "truncated", "run_trace", "split_batch", "default_loss"]  # noqa: the last two re-exported from batch.py
+__all__ = ["CATEGORIES", "NOT_WRAP_OPTIONS", "TRACE_ONLY_OPTIONS", "Stack", "TraceResult", "find_stack", "fake_model", "output_bytes", "truncated", "run_trace", "split_batch", "default_loss"]  # noqa: the last two re-exported from batch.py
 
 # Keys of a traced configuration that are not wrap() options: the optimizer's registry name, wrap-time objects, and
 # the loop's shape (whether it keeps the model's outputs through backward; see drive_step).
-NOT_WRAP_OPTIONS = ("optim", "monitor", "count_items", "keep_outputs", "workspace")
+# The trace-only keys (the loop's shape, the workspace switch) are left out of an Estimate's options too.
+TRACE_ONLY_OPTIONS = ("keep_outputs", "workspace")
+NOT_WRAP_OPTIONS = ("optim", "monitor", "count_items", *TRACE_ONLY_OPTIONS)
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries", "other")
 _CAT = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers", _MemRefType.GRAD: "gradients",
         _MemRefType.OPT: "optimizer_state", _MemRefType.ACT: "activations", _MemRefType.TEMP: "temporaries",
