@@ -30,6 +30,7 @@ from memwrap.validation import WrapPlan, check_stepping, check_wrap, checkpoint_
 from memwrap.checkpointing.apply import apply_checkpointing, current_report, remove_checkpointing
 from memwrap.plugin.registry import convert_optimizer, option_hyperparameters
 from memwrap.techniques.step_in_backward import StepInBackward
+from memwrap.techniques.updates_in_backward import UpdatesInBackward, uses_norm_pass
 
 __all__ = ["wrap", "unwrap", "backward", "refuse_unwrapped"]
 
@@ -95,6 +96,9 @@ def wrap(*objects: Any, **options: Any) -> Any:
         if wrapped_opt is not None and plan.opts.step_in_backward:  # hooks on the parameters: a change, made last
 
             wrapped_opt.step_in_backward = StepInBackward(wrapped_opt, plan.model)
+        elif wrapped_opt is not None and plan.model is not None and uses_norm_pass(wrapped_opt):
+            # LOMO / layer-wise GaLore with max_grad_norm or fp16: the norm pass drives their updates (hooks, made last)
+            wrapped_opt.norm_in_backward = UpdatesInBackward(wrapped_opt, plan.model)
         undo.pop_all()  # all done: keep every change
     ordered = tuple(results[id(obj)] for obj in objects)
     return ordered[0] if len(ordered) == 1 else ordered
@@ -134,6 +138,9 @@ def unwrap(obj: Any) -> Any:
         if obj.__dict__.get("step_in_backward") is not None:
             obj.step_in_backward.remove()  # its parameters stop stepping inside backward
             obj._unwrapped = "the step-in-backward hooks (its parameters would no longer step)"
+        if obj.__dict__.get("norm_in_backward") is not None:
+            obj.norm_in_backward.remove()  # the optimizer's own hooks update again, unclipped
+            obj._unwrapped = "the norm pass's hooks (its updates inside backward would no longer be clipped)"
         return obj.optimizer
     if isinstance(obj, WrappedScheduler):
         return obj.scheduler

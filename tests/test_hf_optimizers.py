@@ -417,9 +417,19 @@ def test_32bit_ademamix_is_the_class_trainer_builds_and_steps_on_cpu(tmp_path, n
 def test_updates_in_backward_refuse_what_they_cannot_do(name, options):
     model = Tiny()
     kw = {"target_modules": "all-linear", "rank": 4} if name.startswith("galore") else {}
+    targets = {"optim_target_modules": "all-linear"} if name.startswith("galore") else {}
+    if "accumulate" not in options:
+        # Clipping and fp16 are no longer refused: the norm pass takes the global norm and the overflow check inside
+        # the same backward, before any update (tests/test_norm_pass_in_backward.py holds them to clip_grad_norm_ then
+        # the optimizer's own step, and to torch AMP's GradScaler loop).
+        _, opt = memwrap.wrap(model, create_optimizer(name, model, lr=1e-3, **kw), **options)
+        assert opt.norm_in_backward is not None and opt.optimizer.updates_deferred
+        other = Tiny()
+        _, opt = memwrap.wrap(other, torch.optim.SGD(other.parameters(), lr=1e-3), optim=name, **targets, **options)
+        assert opt.norm_in_backward is not None
+        return
     with pytest.raises(ValueError, match="updates each parameter inside backward.*Fix"):
         memwrap.wrap(model, create_optimizer(name, model, lr=1e-3, **kw), **options)
-    targets = {"optim_target_modules": "all-linear"} if name.startswith("galore") else {}
     with pytest.raises(ValueError, match="inside backward.*Fix"):
         memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=1e-3), optim=name, **targets, **options)
 

@@ -416,19 +416,25 @@ def check_wrap(call) -> dict | None:
 
 
 def _refuse_selective_norm_pass(call, mode: str | None) -> None:
-    """step_in_backward with clipping or fp16 runs the last micro-batch's backward twice over its graph (the norm
-    pass, memwrap.techniques.norm_pass); torch's selective checkpoint allows one backward per region."""
+    """step_in_backward (or an optimizer updating inside backward) with clipping or fp16 runs the last micro-batch's
+    backward twice over its graph (the norm pass, memwrap.techniques.norm_pass); torch's selective checkpoint allows
+    one backward per region."""
     opts = call.opts
-    if mode != "selective" or not getattr(opts, "step_in_backward", False):
+    # An optimizer that updates inside backward (LOMO, layer-wise GaLore) clips through the norm pass as well.
+    in_backward = (call.optim_spec.updates_in_backward if call.optim_spec is not None
+                   else getattr(call.optimizer, "updates_in_backward", False))
+    if mode != "selective" or not (getattr(opts, "step_in_backward", False) or in_backward):
         return
     if opts.max_grad_norm is None and not call.precision.uses_scaler:
         return
     what = f"max_grad_norm={opts.max_grad_norm}" if opts.max_grad_norm is not None else f"precision={opts.precision!r}"
+    sib = getattr(opts, "step_in_backward", False)
+    how = "step_in_backward=True" if sib else "an optimizer that updates inside backward"
     raise ValueError(
-        f"checkpoint mode 'selective' with step_in_backward=True and {what}: the norm pass backpropagates the "
+        f"checkpoint mode 'selective' with {how} and {what}: the norm pass backpropagates the "
         "window's last micro-batch twice (once for the global norm, once to step), and torch's selective "
         "checkpoint allows only one backward per checkpointed region. Fix: checkpoint='full' (recomputed in both "
-        "passes), or drop step_in_backward (or the clipping / fp16).")
+        f"passes), or drop {'step_in_backward' if sib else 'that optimizer'} (or the clipping / fp16).")
 
 
 def _refuse_compiled(model: nn.Module) -> None:

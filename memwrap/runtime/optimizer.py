@@ -303,6 +303,8 @@ class WrappedOptimizer(torch.optim.Optimizer):
         without loss scaling) instead, or None when the update was applied."""
         if self.__dict__.get("step_in_backward") is not None:  # the parameters stepped inside backward
             return self.step_in_backward.finish_window()
+        if self.__dict__.get("norm_in_backward") is not None:  # LOMO / layer-wise: clipped, unscaled in backward
+            return self.norm_in_backward.finish_window()
         scaler = self.scaler
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         if self.max_grad_norm is not None:  # before unscale_: a refused step leaves the scaler as it was

@@ -70,6 +70,7 @@ from torch import nn
 
 from memwrap.runtime.optimizer import _no_values, _total_norm
 from memwrap.techniques.norm_pass import NormPass, needs_norm_pass
+from memwrap.techniques.updates_in_backward import supports_norm_pass
 from memwrap.integrations.accelerate import accelerated_optimizer
 from memwrap.runtime.distributed import sync_control
 
@@ -125,10 +126,14 @@ def check_step_in_backward(model: nn.Module | None, optimizer: torch.optim.Optim
             "gradient_release=True), or drop step_in_backward.")
 
 
-def check_updates_in_backward(name: str | None, opts: Any, precision: Any, model: nn.Module | None = None) -> None:
+def check_updates_in_backward(name: str | None, opts: Any, precision: Any, model: nn.Module | None = None,
+                              optimizer: torch.optim.Optimizer | None = None) -> None:
     """Refuse what an optimizer that updates inside backward (LOMO, layer-wise GaLore; ``name``, or None for an
-    ordinary one) cannot do: it leaves nothing to accumulate, clip or unscale, and under DDP/FSDP2 it would update
-    before the gradients are averaged across ranks.
+    ordinary one) cannot do exactly: it holds no gradient across micro-batches (accumulation), already steps in
+    backward, and under DDP/FSDP2 would update before the gradients are averaged across ranks. Clipping
+    (``max_grad_norm``) and fp16 loss scaling are not refused where the optimizer lets the norm pass drive it
+    (:mod:`memwrap.techniques.updates_in_backward`): the global norm and the overflow check come from a first pass
+    inside the same backward, before any update.
 
     Example:
         >>> check_updates_in_backward(None, opts, precision)  # an ordinary optimizer: nothing to refuse  # doctest: +SKIP
@@ -147,16 +152,37 @@ def check_updates_in_backward(name: str | None, opts: Any, precision: Any, model
                          "an optimizer that steps after backward (e.g. optim='sgd' or 'adamw'; FSDP2 already shards "
                          "gradients and state), or train on one device.")
     refused = [text for text, on in (
-        (f"accumulate={opts.accumulate} (each micro-batch would update the weights)", opts.accumulate > 1),
-        (f"max_grad_norm={opts.max_grad_norm} (the global norm is known only after the updates)",
-         opts.max_grad_norm is not None),
-        (f"precision={opts.precision!r} (its loss scale would reach the updates unscaled)", precision.uses_scaler),
+        (f"accumulate={opts.accumulate} (it keeps no gradient between micro-batches: each would update the weights)",
+         opts.accumulate > 1),
         ("step_in_backward=True (it already steps in backward)", getattr(opts, "step_in_backward", False)),
     ) if on]
     if refused:
         raise ValueError(f"optimizer {name} updates each parameter inside backward(), which rules out "
-                         f"{'; '.join(refused)}. Fix: drop those options (accumulate=1, no clipping, bf16 instead of "
-                         "fp16), or choose an optimizer that steps after backward (e.g. the non-layer-wise variant).")
+                         f"{'; '.join(refused)}. Fix: drop those options (accumulate=1; clipping with max_grad_norm "
+                         "and fp16 work), or choose an optimizer that steps after backward (e.g. the non-layer-wise "
+                         "variant).")
+    what = ", ".join(([f"max_grad_norm={opts.max_grad_norm}"] if opts.max_grad_norm is not None else [])
+                     + ([f"precision={opts.precision!r}"] if precision.uses_scaler else []))
+    if not what:
+        return
+    if model is None:
+        raise ValueError(
+            f"optimizer {name} with {what}: its updates inside backward are clipped or loss-scaled by the norm pass, "
+            "which starts from the wrapped model's outputs, and no model was passed to wrap(). Nothing was wrapped. "
+            "Fix: model, optimizer = memwrap.wrap(model, optimizer, ...).")
+    if optimizer is not None and not supports_norm_pass(optimizer):
+        raise ValueError(
+            f"optimizer {name} updates each parameter inside backward() and does not let memwrap's norm pass drive "
+            f"its updates (no update_in_backward()/updates_deferred), so {what} cannot be exact: the global norm "
+            "(and whether fp16 overflowed) is known only after every update. Fix: build it with "
+            "memwrap.create_optimizer (lomo, adalomo, galore_*_layerwise, apollo_adamw_layerwise have it), or drop "
+            f"{'max_grad_norm' if opts.max_grad_norm is not None else 'fp16'}.")
+    missing = [m for m in ("_current_graph_task_id", "_will_engine_execute_node") if not hasattr(torch._C, m)]
+    if missing:
+        raise ValueError(
+            f"optimizer {name} with {what}: updates made inside backward are clipped or loss-scaled by the norm pass, "
+            f"which needs torch._C.{', torch._C.'.join(missing)}, missing from torch {torch.__version__}. Fix: use a "
+            "torch that has them (memwrap is tested on 2.13), or drop max_grad_norm / fp16.")
 
 
 def _refuse_optimizer_wrapper(optimizer: torch.optim.Optimizer) -> None:
@@ -524,7 +550,7 @@ def check_wrap(call) -> None:
     if spec is not None:
         check_updates_in_backward(spec.name if spec.updates_in_backward else None, call.opts, call.precision, call.model)
     elif optimizer is not None and getattr(optimizer, "updates_in_backward", False):
-        check_updates_in_backward(type(optimizer).__name__, call.opts, call.precision, call.model)
+        check_updates_in_backward(type(optimizer).__name__, call.opts, call.precision, call.model, optimizer)
 
 
 def check_stepping(call, optimizer: torch.optim.Optimizer) -> None:
@@ -532,3 +558,6 @@ def check_stepping(call, optimizer: torch.optim.Optimizer) -> None:
     see :func:`check_step_in_backward`."""
     if call.opts.step_in_backward:
         check_step_in_backward(call.model, optimizer, call.opts, call.precision)
+    elif call.optim_spec is not None and getattr(optimizer, "updates_in_backward", False):
+        # optim= built it: the optimizer that will update must let the norm pass drive it (memwrap's plugins do)
+        check_updates_in_backward(call.optim_spec.name, call.opts, call.precision, call.model, optimizer)

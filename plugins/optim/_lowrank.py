@@ -9,7 +9,9 @@
 * :class:`LayerwiseOptimizer` gives each parameter its own optimizer, stepped by a post-accumulate-grad
   hook as soon as that gradient is complete (Trainer's ``*_layerwise`` names), while remaining one
   ``torch.optim.Optimizer`` whose ``param_groups`` are the inner optimizers' own (LR schedulers work)
-  and whose ``state_dict()`` covers them all.
+  and whose ``state_dict()`` covers them all. With ``wrap(..., max_grad_norm=...)`` or fp16 memwrap's norm pass
+  drives its steps (``updates_deferred``, ``update_in_backward``): clipped exactly as ``clip_grad_norm_`` clips, and
+  an fp16 overflow skips the whole update.
 """
 from __future__ import annotations
 
@@ -203,14 +205,20 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     """One optimizer per parameter, stepped inside ``backward()`` by a post-accumulate-grad hook.
 
     ``step()`` and ``zero_grad()`` have nothing left to do (each gradient is used and freed as soon as
-    it is complete); they exist so the ordinary loop runs unchanged. Gradients cannot be accumulated,
-    clipped or loss-scaled first, which ``wrap()`` refuses (``updates_in_backward``).
+    it is complete); they exist so the ordinary loop runs unchanged. Gradients cannot be accumulated, which
+    ``wrap()`` refuses (``updates_in_backward``). Clipping by the global norm and fp16 loss scaling work through
+    ``wrap(model, optimizer, max_grad_norm=..., precision="fp16")``: memwrap's norm pass
+    (:mod:`memwrap.techniques.updates_in_backward`) sets ``updates_deferred`` (the hooks below then step nothing),
+    takes the norm in a first pass inside the same backward, and in the second hands each clipped gradient to
+    :meth:`update_in_backward`, which steps that parameter's optimizer: the parameters equal ``clip_grad_norm_``
+    followed by each parameter's step, with one gradient alive at a time; an fp16 overflow anywhere skips every step.
 
     Example:
         >>> opt = LayerwiseOptimizer([{"params": model.parameters()}], lambda g: torch.optim.AdamW(g))  # doctest: +SKIP
     """
 
     updates_in_backward = True
+    updates_deferred = False  # set by memwrap's norm pass (max_grad_norm): its hook decides when each parameter steps
 
     def __init__(self, groups: list[dict], make: Callable[[list[dict]], torch.optim.Optimizer]):
         self._inner: dict[torch.Tensor, torch.optim.Optimizer] = {}
@@ -234,9 +242,18 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             self.state[p] = inner.state[p]
 
     def _step_parameter(self, param: torch.Tensor) -> None:
-        inner = self._inner[param]
-        inner.step()
-        inner.zero_grad(set_to_none=True)
+        if self.updates_deferred:  # memwrap's norm pass updates it (update_in_backward), after the clip
+            return
+        self.update_in_backward([param])
+
+    def update_in_backward(self, params: list[torch.Tensor]) -> None:
+        """Step each of ``params`` with its own optimizer from its final gradient and free the gradient (what the
+        hook does; memwrap's norm pass calls it with the clipped gradient, see
+        memwrap.techniques.updates_in_backward)."""
+        for param in params:
+            inner = self._inner[param]
+            inner.step()
+            inner.zero_grad(set_to_none=True)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -8,8 +8,9 @@ parameter gets the ordinary optimizer. Hyperparameters (Trainer's defaults): ``t
 ``update_proj_gap=200``, ``scale=0.25``, ``proj_type="std"``.
 
 Layer-wise variants give each parameter its own optimizer, stepped inside ``backward()`` as soon as its
-gradient is complete (no full set of gradients is ever held); ``wrap()`` refuses accumulation, clipping
-and fp16 with them. ``galore_adamw_8bit`` uses bitsandbytes kernels that galore-torch runs on CUDA only.
+gradient is complete (no full set of gradients is ever held); ``wrap()`` refuses accumulation with them, and
+clips them (``max_grad_norm``, Trainer's default 1.0 included) and loss-scales them (fp16) with the norm pass
+(:mod:`memwrap.techniques.updates_in_backward`). ``galore_adamw_8bit`` uses bitsandbytes kernels that galore-torch runs on CUDA only.
 
 State size: exact for projected weights when every ``nn.Linear`` is a target (``"all-linear"``); with a
 list of names the planner assumes every ``nn.Linear`` weight is projected (so it under-counts the state

@@ -10,9 +10,19 @@ factored second moment (AdaLomo) and never a full set of gradients is held. Trai
     optimizer.zero_grad()
 
 ``fused_backward`` still works and is what Trainer calls. The learning rate is the param group's, so LR
-schedulers work. What cannot work, and is refused by ``wrap()`` (the spec says
-``updates_in_backward``): accumulating gradients over micro-batches, clipping by the global norm
-(LOMO's own ``grad_norm`` needs a second backward pass), and fp16 loss scaling through GradScaler.
+schedulers work.
+
+Clipping by the global norm works through ``wrap(model, optimizer, max_grad_norm=...)``: memwrap's norm pass
+(:mod:`memwrap.techniques.updates_in_backward`) runs, inside the same ``loss.backward()``, a first pass that takes
+the norm as ``clip_grad_norm_`` does while lomo-optim's hooks stand aside (``updates_deferred``), then each
+gradient is clipped and handed to lomo-optim's own update (``update_in_backward``): the parameters equal
+``clip_grad_norm_`` followed by LOMO's update, and one gradient is alive at a time, as without clipping. (lomo-optim's
+own ``clip_grad_norm=`` needs its two-call ``grad_norm(loss)`` + ``fused_backward``, which a plain loop does not make;
+it is refused with that fix.) fp16 (``precision="fp16"``) works the same way: the first pass unscales each gradient
+with GradScaler's kernel and sees any overflow before anything is updated, so an overflowing window updates nothing
+and the scale backs off as torch AMP's does. What cannot work, and is refused by ``wrap()`` (the spec says
+``updates_in_backward``): accumulating gradients over micro-batches (the hooks keep no gradient between them). A raw
+``torch.amp.GradScaler`` around LOMO without memwrap cannot skip an update (``scaler_ok=False``).
 
 AdaLomo allocates its state with ``.cuda()``, so it needs a GPU; on a CPU run it is refused with the
 fix. memwrap keeps AdaLomo's state in ``optimizer.state`` too, so ``state_dict()`` saves and restores it
@@ -71,6 +81,32 @@ def _hold_weight_decay(optimizer) -> None:
         group.setdefault("weight_decay", value)
 
 
+def _deferrable(optimizer, update):
+    """lomo-optim's hook function, standing aside while memwrap's norm pass drives the updates.
+
+    lomo-optim registers ``grad_func`` as a hook on every parameter; when the next gradient arrives it updates every
+    parameter holding a ``.grad``. With clipping the first pass must update nothing and the second must see each
+    gradient clipped first, so then only :func:`_drive` (called after the gradient is clipped) runs the update.
+    """
+
+    def func(x):
+        if optimizer.updates_deferred and not optimizer._driving:
+            return x
+        return update(x)
+
+    return func
+
+
+def _drive(optimizer) -> None:
+    # lomo-optim's own update of every parameter that holds a .grad: the norm pass calls it when exactly the
+    # parameters it hands over do (each clipped, all others already updated and freed).
+    optimizer._driving = True
+    try:
+        optimizer.grad_func(0)
+    finally:
+        optimizer._driving = False
+
+
 @functools.cache
 def _lomo_class():
     base = import_backend("lomo_optim", "lomo-optim", "lomo").Lomo
@@ -79,6 +115,8 @@ def _lomo_class():
         """lomo-optim's Lomo, stepped by ``loss.backward(); optimizer.step()`` (see the plugin docs)."""
 
         updates_in_backward = True
+        updates_deferred = False  # set by memwrap's norm pass (max_grad_norm): its hook decides when to update
+        _driving = False
         lr = _lr_property()
         weight_decay = _group_property("weight_decay")
         do_weight_decay = property(lambda self: self.weight_decay > 0, lambda self, value: None)
@@ -86,6 +124,14 @@ def _lomo_class():
         def __init__(self, model, **hp):
             super().__init__(model, **hp)
             _hold_weight_decay(self)
+
+        def fuse_update(self):
+            return _deferrable(self, super().fuse_update())
+
+        def update_in_backward(self, params):
+            """Update ``params`` from their final (clipped) gradients now and free them: memwrap's norm pass calls
+            it once each gradient is complete (see memwrap.techniques.updates_in_backward)."""
+            _drive(self)
 
         def step(self, closure=None):
             loss = None
@@ -108,6 +154,8 @@ def _adalomo_class():
         """lomo-optim's AdaLomo, stepped by ``loss.backward(); optimizer.step()``, its state in ``state_dict()``."""
 
         updates_in_backward = True
+        updates_deferred = False  # set by memwrap's norm pass (max_grad_norm): its hook decides when to update
+        _driving = False
         lr = _lr_property()
         weight_decay = _group_property("weight_decay")
         do_weight_decay = property(lambda self: self.weight_decay > 0, lambda self, value: None)
@@ -129,7 +177,13 @@ def _adalomo_class():
                     self.step_num += 1
                 return update(x)
 
-            return func
+            # Deferred (memwrap's norm pass), a hook neither counts nor updates: the step is counted at the first
+            # update the norm pass drives, so a skipped (non-finite) window counts none.
+            return _deferrable(self, func)
+
+        def update_in_backward(self, params):
+            """Update ``params`` from their final (clipped) gradients now and free them (memwrap's norm pass)."""
+            _drive(self)
 
         def fused_backward(self, loss, lr):
             self._counted, self.loss_scale = True, self._fused_scale
@@ -184,8 +238,10 @@ def _check_params(name: str, params, model: nn.Module, hp: dict) -> None:
                          "freeze the others (requires_grad_(False)) or build it over the whole model.")
     if hp.get("clip_grad_norm") is not None:
         raise ValueError(f"{name}: clip_grad_norm needs lomo-optim's two-pass optimizer.grad_norm(loss) before "
-                         "fused_backward(), which an ordinary loop does not make. Fix: use clip_grad_value, or call "
-                         "optimizer.grad_norm(loss) and optimizer.fused_backward(loss, lr) yourself.")
+                         "fused_backward(), which an ordinary loop does not make. Fix: clip with memwrap instead, "
+                         "memwrap.wrap(model, optimizer, max_grad_norm=...) (the same clipping, inside one "
+                         "loss.backward()); or call optimizer.grad_norm(loss) and optimizer.fused_backward(loss, lr) "
+                         "yourself.")
 
 
 def _one_group_value(params, key: str):

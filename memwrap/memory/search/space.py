@@ -192,9 +192,11 @@ def _checkpoint_spec(value: Any) -> Any:
 
 def _updates_in_backward_refusals(specs: list[dict], per_rank: int, max_grad_norm: float | None,
                                   ranks: int = 1) -> tuple[list[dict], list[tuple[str, str]]]:
-    """Drop optimizers that update inside backward (LOMO, layer-wise GaLore) where wrap() refuses them: with
-    accumulation, clipping, fp16 loss scaling or several ranks. Returned as ``(label, why)`` like the other skipped
-    rows."""
+    """Drop optimizers that update inside backward (LOMO, layer-wise GaLore) where wrap() refuses them (accumulation,
+    several ranks) and, with ``max_grad_norm`` or fp16, where the plan could not count what wrap() does: wrap()
+    clips / loss-scales them with the norm pass (memwrap.techniques.updates_in_backward), but their trace runs a
+    stand-in optimizer that steps after backward, so the pass's second backward and the activations it keeps would
+    be missing from the estimate. Returned as ``(label, why)`` like the other skipped rows."""
 
     keep, skipped = [], []
     for s in specs:
@@ -205,9 +207,14 @@ def _updates_in_backward_refusals(specs: list[dict], per_rank: int, max_grad_nor
             skipped.append((f"{s['micro_batch']} {s['precision']} {s['checkpoint'] or 'no-ckpt'} {s['optim']}",
                             f"{s['optim']} updates inside backward, before DDP/FSDP2 average the gradients across "
                             f"ranks: wrap() refuses it with {ranks} ranks"))
-        elif accumulate > 1 or max_grad_norm is not None or get_precision(s["precision"]).uses_scaler:
+        elif accumulate > 1:
             skipped.append((f"{s['micro_batch']} {s['precision']} {s['checkpoint'] or 'no-ckpt'} {s['optim']}",
-                            f"{s['optim']} updates inside backward: no accumulation ({accumulate}), clipping or fp16"))
+                            f"{s['optim']} updates inside backward: no accumulation ({accumulate})"))
+        elif max_grad_norm is not None or get_precision(s["precision"]).uses_scaler:
+            what = "max_grad_norm" if max_grad_norm is not None else s["precision"]
+            skipped.append((f"{s['micro_batch']} {s['precision']} {s['checkpoint'] or 'no-ckpt'} {s['optim']}",
+                            f"{s['optim']} updates inside backward: wrap() runs the norm pass for {what}, whose "
+                            "second backward the plan does not trace for it yet"))
         else:
             keep.append(s)
     return keep, skipped
