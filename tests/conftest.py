@@ -8,6 +8,9 @@ import torch
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # Kernel workspace fits (memwrap/memory/tracing/workspace.py) go to a folder of this test session, never the user's cache.
 os.environ.setdefault("MEMWRAP_CACHE_DIR", tempfile.mkdtemp(prefix="memwrap-test-cache-"))
+# The trace cache (memwrap/memory/tracing/disk_cache.py) is off: many tests patch the tracer or a plugin and must see
+# their patch traced, not a trace stored by an earlier test. tests/test_disk_cache.py turns it on where it is tested.
+os.environ.setdefault("MEMWRAP_TRACE_CACHE", "0")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

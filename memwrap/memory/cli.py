@@ -106,6 +106,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="write the plan as JSON to PATH, or to stdout (instead of the table) without PATH")
     p.add_argument("--plot", metavar="PNG", help="stacked bars by category per candidate, with the budget line")
     p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--no-trace-cache", action="store_true",
+                   help="trace every candidate again instead of reading traces made before from the disk cache "
+                        "(MEMWRAP_TRACE_CACHE=0 does the same; see docs/planner.md)")
     p.set_defaults(func=run)
     return p
 
@@ -466,6 +469,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"memwrap plan: {exc}", file=sys.stderr)
         return 2
+    if args.no_trace_cache:  # this process only: memwrap.memory.tracing.disk_cache reads it for every trace
+        os.environ["MEMWRAP_TRACE_CACHE"] = "0"
     progress = _Progress(args.quiet or args.json == "-")
     try:
         result = plan(factory, make_batch, budget=args.budget, global_batch=global_batch, loss_fn=_loss(loss),

@@ -1,35 +1,56 @@
-"""The planner's cost model: predicted seconds per optimizer update on a reference GPU.
+"""The planner's cost model: predicted seconds per optimizer update on a reference device.
 
 Only the ranking matters (the plan reports costs relative to the cheapest candidate), so the
-model keeps the terms that differ between candidates and one reference device::
+model keeps the terms that differ between candidates and one reference device, a :class:`DeviceProfile`
+(the A100 reference GPU, :data:`A100`, unless the plan targets another device, e.g. ``plan(device="cpu")``)::
 
-    compute   = FLOPs per update (recompute included, from the trace) / (PEAK_FLOPS * MFU * speed[precision])
-    launches  = micro-batches per update * dispatched ops per micro-batch (from the trace) * LAUNCH_S
-    optimizer = (2 * parameter bytes + gradient bytes + 2 * optimizer-state bytes) / HBM_BYTES_S
-    offload   = 2 * offloaded bytes / PCIE_BYTES_S      (out in forward, back in backward; no overlap assumed)
-    paging    = 2 * spilled paged-state bytes / PCIE_BYTES_S  (paged optimizer state that does not fit in the
+    compute   = FLOPs per update (recompute included, from the trace) / (peak_flops * mfu * speed[precision])
+    launches  = micro-batches per update * dispatched ops per micro-batch (from the trace) * launch_s
+    optimizer = (2 * parameter bytes + gradient bytes + 2 * optimizer-state bytes) / hbm_bytes_s
+    offload   = 2 * offloaded bytes / pcie_bytes_s      (out in forward, back in backward; no overlap assumed)
+    paging    = 2 * spilled paged-state bytes / pcie_bytes_s  (paged optimizer state that does not fit in the
                 device memory left free is paged in for the step and out again; all of it when nothing is free)
-    host_state= 2 * host optimizer-state bytes / PCIE_BYTES_S  (state on the host: gradients out, updates back,
+    host_state= 2 * host optimizer-state bytes / pcie_bytes_s  (state on the host: gradients out, updates back,
                 about one state-sized transfer each way per step)
 
 ``launches`` is the micro-batch efficiency term: a small micro-batch pays the same per-kernel
 overhead for less work, so splitting a global batch into more micro-batches costs time.
-``speed`` is the matmul throughput of a precision relative to bf16 (tensor cores): fp16 1,
-tf32 1/2, fp32 1/16 (A100/H100 dense ratios; fp32 without TF32 runs on CUDA cores). A precision plugin not
-named there is rated by its autocast (or storage) dtype: 16-bit runs at bf16 speed, anything else at fp32's.
+``speed`` is the matmul throughput of a precision relative to the profile's ``peak_flops``. On the A100
+(``peak_flops`` its dense bf16 rate): fp16 1, tf32 1/2, fp32 1/16 (A100/H100 dense ratios; fp32 without TF32 runs
+on CUDA cores). A precision plugin not named there is rated by its autocast (or storage) dtype: bf16 and fp16 at
+the profile's bf16 / fp16 speed, anything else at fp32's.
+
+The ``"cpu"`` profile (:func:`cpu_profile`) is measured on the machine that plans, not guessed: ``peak_flops`` is
+the fp32 rate achieved by a 256^3 matmul (so ``mfu`` is 1), ``speed`` the measured bf16 and fp16 rates relative
+to it (bf16 is fast with AMX tiles and can be slower than fp32 without native bf16 arithmetic), ``launch_s`` the
+measured time per dispatched op of a tiny MLP stack's forward + backward (the op mix of a training step on tensors too
+small for the work to count), ``hbm_bytes_s`` the measured bandwidth of a large
+elementwise add, and ``pcie_bytes_s`` the same bandwidth (host and "device" memory are one on a CPU: an offload
+is a copy). It is measured once per process and thread count (about 50 ms); with ``MEMWRAP_CALIBRATE=0`` in the
+environment, or ``cpu_profile(calibrate=False)``, the fixed :data:`CPU_FIXED` is used instead. How well it orders
+real CPU steps: ``docs/benchmarks/rank_check.md`` (``benchmarks/rank_check.py``); on small models the bf16 matmul
+credit and optimi's CPU step (bf16-true) are what mis-rank.
 
 Example:
     >>> step_seconds(flops=1e15, ops=1000, micro_batches=1, precision="bf16", param_bytes=0,
     ...              grad_bytes=0, state_bytes=0) > 0
     True
+    >>> device_profile("cuda") is A100 and device_profile(None) is A100
+    True
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import os
+import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["PEAK_FLOPS", "MFU", "SPEED", "LAUNCH_S", "HBM_BYTES_S", "PCIE_BYTES_S", "step_seconds", "cost_terms"]
+__all__ = ["PEAK_FLOPS", "MFU", "SPEED", "LAUNCH_S", "HBM_BYTES_S", "PCIE_BYTES_S", "DeviceProfile", "A100",
+           "CPU_FIXED", "cpu_profile", "calibrate_cpu", "device_profile", "step_seconds", "cost_terms"]
 
 PEAK_FLOPS = 312e12  # dense bf16 of the reference GPU (A100)
 MFU = 0.5  # fraction of peak a well-fed training step reaches
@@ -39,32 +60,231 @@ HBM_BYTES_S = 1.5e12
 PCIE_BYTES_S = 20e9
 
 
-def _speed(precision: str) -> float:
-    if precision in SPEED:
-        return SPEED[precision]
+@dataclasses.dataclass(frozen=True)
+class DeviceProfile:
+    """The constants of the cost model for one device (see the module docstring for the terms).
+
+    ``speed`` maps a precision name (``"fp32"``, ``"bf16"``, ``"fp16"``, ``"tf32"``) to its matmul throughput
+    relative to ``peak_flops``; ``source`` says where the numbers come from (datasheet ratios, a calibration).
+
+    Example:
+        >>> p = DeviceProfile("toy", peak_flops=1e12, mfu=1.0, speed={"fp32": 1.0, "bf16": 0.5}, launch_s=1e-6,
+        ...                   hbm_bytes_s=1e10, pcie_bytes_s=1e10)
+        >>> cost_terms(flops=1e12, ops=0, micro_batches=1, precision="bf16", param_bytes=0, grad_bytes=0,
+        ...            state_bytes=0, device=p)["compute"]
+        2.0
+    """
+
+    name: str
+    peak_flops: float
+    mfu: float
+    speed: Mapping[str, float]
+    launch_s: float
+    hbm_bytes_s: float
+    pcie_bytes_s: float
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for field in ("peak_flops", "mfu", "launch_s", "hbm_bytes_s", "pcie_bytes_s"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 or value == float("inf"):
+                raise ValueError(f"DeviceProfile({self.name!r}).{field} must be a finite number > 0, got {value!r}.")
+        if "fp32" not in self.speed or any(not v > 0 for v in self.speed.values()):
+            raise ValueError(f"DeviceProfile({self.name!r}).speed must rate 'fp32' (the fallback) and every speed "
+                             f"must be > 0, got {dict(self.speed)!r}.")
+
+    @property
+    def label(self) -> str:
+        """How reports name the device: ``'the reference GPU (A100)'``, ``'this CPU'``."""
+        return "the reference GPU (A100)" if self.name == "a100" else ("this CPU" if self.name == "cpu"
+                                                                      else f"device {self.name!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "speed": dict(self.speed)}
+
+
+A100 = DeviceProfile("a100", PEAK_FLOPS, MFU, dict(SPEED), LAUNCH_S, HBM_BYTES_S, PCIE_BYTES_S,
+                     source="A100 datasheet ratios (dense bf16 312 TFLOP/s at 50% MFU, HBM 1.5 TB/s, PCIe 20 GB/s)")
+
+# The fallback when calibration is not wanted: calibrate_cpu() on the development machine (a 2-core Xeon with AMX,
+# torch 2.13.0, 1 thread, 2026-12-03), rounded. bf16 256^3 matmuls are ~3.7x fp32's there (AMX tiles); a CPU
+# without AMX/AVX512-BF16 rates bf16 very differently: calibrate there.
+CPU_FIXED = DeviceProfile("cpu", peak_flops=165e9, mfu=1.0, speed={"fp32": 1.0, "tf32": 1.0, "bf16": 3.7,
+                                                                   "fp16": 0.9},
+                          launch_s=4.3e-6, hbm_bytes_s=25e9, pcie_bytes_s=25e9,
+                          source="fixed defaults (calibrate_cpu() on a 2-core AMX Xeon, 1 thread, rounded)")
+
+
+def _best(fn, reps: int) -> float:
+    """The fastest of ``reps`` timed calls after one warm-up: the machine's rate, not its load."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return max(best, 1e-9)
+
+
+def _ops_of(fn) -> int:
+    """The aten ops ``fn`` dispatches (counted as the trace counts them: under a dispatch mode)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def _tiny_step(g: torch.Generator):
+    """One forward + backward of a tiny 4-block pre-norm MLP with a cross-entropy loss (16 tokens, width 32)."""
+    from torch import nn
+
+    dim, tokens, classes = 32, 16, 64
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(),
+                                             nn.Linear(2 * dim, dim)) for _ in range(4))
+        head = nn.Linear(dim, classes)
+    x = torch.randn(tokens, dim, generator=g)
+    y = torch.randint(0, classes, (tokens,), generator=g)
+
+    def step() -> None:
+        h = x
+        for block in blocks:
+            h = h + block(h)
+        torch.nn.functional.cross_entropy(head(h), y).backward()
+
+    return step
+
+
+@functools.lru_cache(maxsize=None)
+def _calibrated(threads: int, size: int, reps: int) -> DeviceProfile:
+    g = torch.Generator().manual_seed(0)
+    rates = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        a = torch.randn(size, size, generator=g).to(dtype)
+        b = torch.randn(size, size, generator=g).to(dtype)
+        rates[name] = 2 * size**3 / _best(lambda a=a, b=b: torch.mm(a, b), reps)
+    # Per dispatched op: the forward + backward of a tiny pre-norm MLP stack (layer norm, linear, GELU, residual,
+    # cross-entropy), the op mix of a training step through nn.Module calls and autograd, on tensors small enough
+    # that the work itself is negligible: what an op costs beyond its FLOPs. A chain of one cheap op (x * c) reads
+    # about 3 us per op on a 2-core Xeon where this mix reads about 4.3: the mix is closer to what a step pays.
+    step = _tiny_step(g)
+    launch = _best(step, reps) / _ops_of(step)
+    n = 4 * 2**20  # 16 MiB per fp32 operand: well past the caches
+    a, b, out = torch.full((n,), 1.5), torch.full((n,), 0.5), torch.empty(n)  # full(): cheaper than randn
+    bandwidth = 3 * 4 * n / _best(lambda: torch.add(a, b, out=out), reps)  # two reads and a write
+    speed = {"fp32": 1.0, "tf32": 1.0, "bf16": rates["bf16"] / rates["fp32"], "fp16": rates["fp16"] / rates["fp32"]}
+    return DeviceProfile("cpu", peak_flops=rates["fp32"], mfu=1.0, speed=speed, launch_s=launch,
+                         hbm_bytes_s=bandwidth, pcie_bytes_s=bandwidth,
+                         source=f"calibrated on this machine ({threads} thread{'s' * (threads > 1)}, {size}^3 matmuls, "
+                                f"best of {reps})")
+
+
+def calibrate_cpu(*, size: int = 256, reps: int = 3) -> DeviceProfile:
+    """Measure the ``"cpu"`` profile on this machine at the current ``torch.get_num_threads()``: fp32, bf16 and
+    fp16 matmul rates (``size`` x ``size`` matmuls), the time per dispatched op and the memory bandwidth, each the
+    best of ``reps`` runs. Cached per process (per thread count, size and reps): the second call returns the same
+    object. About 50 ms on a 2-core machine with AMX; a CPU with slow bf16 takes longer.
+
+    Example:
+        >>> p = calibrate_cpu()
+        >>> p.name, p is calibrate_cpu(), p.speed["fp32"]
+        ('cpu', True, 1.0)
+    """
+    if isinstance(size, bool) or not isinstance(size, int) or size < 16:
+        raise ValueError(f"calibrate_cpu(size={size!r}) must be an int >= 16 (the matmul side), e.g. size=256.")
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"calibrate_cpu(reps={reps!r}) must be an int >= 1, e.g. reps=3.")
+    return _calibrated(torch.get_num_threads(), size, reps)
+
+
+def cpu_profile(*, calibrate: bool | None = None) -> DeviceProfile:
+    """The ``"cpu"`` profile: :func:`calibrate_cpu` by default, :data:`CPU_FIXED` with ``calibrate=False`` or,
+    when ``calibrate`` is None, with ``MEMWRAP_CALIBRATE=0`` in the environment (reproducible plans, no timing).
+
+    Example:
+        >>> cpu_profile(calibrate=False) is CPU_FIXED
+        True
+    """
+    if calibrate is None:
+        calibrate = os.environ.get("MEMWRAP_CALIBRATE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return calibrate_cpu() if calibrate else CPU_FIXED
+
+
+def device_profile(device: Any = None, *, calibrate: bool | None = None) -> DeviceProfile:
+    """The cost model's profile for a target device: None, ``"cuda"``/``"gpu"``/``"a100"`` (or a CUDA
+    ``torch.device``) -> :data:`A100`; ``"cpu"`` -> :func:`cpu_profile`; a :class:`DeviceProfile` -> itself.
+
+    Example:
+        >>> device_profile("cpu", calibrate=False).name, device_profile("cuda:0").name
+        ('cpu', 'a100')
+    """
+    if device is None or isinstance(device, DeviceProfile):
+        return device or A100
+    if isinstance(device, str) or isinstance(device, torch.device):
+        text = str(device).strip().lower()
+        kind = text.split(":", 1)[0]
+        if kind in ("cuda", "gpu", "a100"):
+            return A100
+        if kind == "cpu":
+            return cpu_profile(calibrate=calibrate)
+    raise ValueError(f"device={device!r}: the cost model knows 'cuda' (the A100 reference GPU, the default) and "
+                     "'cpu' (measured on this machine). Fix: pass one of them, or a "
+                     "memwrap.memory.search.cost.DeviceProfile with your device's constants.")
+
+
+def _speed(precision: str, profile: DeviceProfile = A100) -> float:
+    speed = profile.speed
+    if precision in speed:
+        return speed[precision]
     try:  # learned from the precision plugin: its matmuls run in its autocast (or storage) dtype
         from memwrap.precision.base import get_precision_class
 
         cls = get_precision_class(precision)
     except ValueError:
-        return SPEED["fp32"]
+        return speed["fp32"]
     dtype = cls.autocast_dtype or cls.param_dtype
-    return 1.0 if dtype in (torch.bfloat16, torch.float16) else SPEED["fp32"]
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    return speed.get(name, speed["bf16"] if name != "fp32" and "bf16" in speed else speed["fp32"])
 
 
 def cost_terms(*, flops: float, ops: int, micro_batches: int, precision: str, param_bytes: int, grad_bytes: int,
-               state_bytes: int, offloaded: int = 0, paged_spill: int = 0, host_state: int = 0) -> dict[str, float]:
-    """The terms of the model in seconds (see the module docstring)."""
+               state_bytes: int, offloaded: int = 0, paged_spill: int = 0, host_state: int = 0,
+               device: Any = None) -> dict[str, float]:
+    """The terms of the model in seconds (see the module docstring), on ``device`` (see :func:`device_profile`;
+    default: the A100 reference GPU).
+
+    Example:
+        >>> t = cost_terms(flops=0, ops=100, micro_batches=2, precision="fp32", param_bytes=0, grad_bytes=0,
+        ...                state_bytes=0)
+        >>> round(t["launches"] / LAUNCH_S)
+        200
+    """
+    p = device_profile(device)
     return {
-        "compute": flops / (PEAK_FLOPS * MFU * _speed(precision)),
-        "launches": micro_batches * ops * LAUNCH_S,
-        "optimizer": (2 * param_bytes + grad_bytes + 2 * state_bytes) / HBM_BYTES_S,
-        "offload": 2 * offloaded / PCIE_BYTES_S,
-        "paging": 2 * paged_spill / PCIE_BYTES_S,
-        "host_state": 2 * host_state / PCIE_BYTES_S,
+        "compute": flops / (p.peak_flops * p.mfu * _speed(precision, p)),
+        "launches": micro_batches * ops * p.launch_s,
+        "optimizer": (2 * param_bytes + grad_bytes + 2 * state_bytes) / p.hbm_bytes_s,
+        "offload": 2 * offloaded / p.pcie_bytes_s,
+        "paging": 2 * paged_spill / p.pcie_bytes_s,
+        "host_state": 2 * host_state / p.pcie_bytes_s,
     }
 
 
 def step_seconds(**kw: Any) -> float:
-    """Predicted seconds per optimizer update: the sum of :func:`cost_terms`."""
+    """Predicted seconds per optimizer update: the sum of :func:`cost_terms` (same keywords, ``device`` included).
+
+    Example:
+        >>> step_seconds(flops=0, ops=0, micro_batches=1, precision="fp32", param_bytes=0, grad_bytes=0,
+        ...              state_bytes=0)
+        0.0
+    """
     return sum(cost_terms(**kw).values())

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -23,9 +24,10 @@ from typing import Any
 from torch import nn
 
 from memwrap.memory.budget import format_bytes, parse_budget, unit_for
-from memwrap.memory.search.cost import cost_terms
+from memwrap.memory.search.cost import DeviceProfile, cost_terms, device_profile
 from memwrap.memory.tracing.estimator import Estimate, derive, finish, resolve_model, trace_config
 from memwrap.memory.tracing.trace import TRACE_ONLY_OPTIONS
+from memwrap.memory.tracing import disk_cache
 from memwrap.memory.margin import Margin
 # How fitting candidates are ordered (memwrap.memory.search.ranking); rank stays importable from here.
 from memwrap.memory.search.ranking import _approximates, rank
@@ -112,6 +114,9 @@ class Plan:
     keep_optim: str | None = None  # the user's optimizer; None: ranked by speed alone
     keep_note: str = ""  # why no candidate keeping keep_optim was traced, when it was searched but left out
     keep_precision: str | None = None  # the user's precision; None: any precision is the user's maths
+    # {"read": traces read from the disk cache, "traced": traced now}; empty with the cache off
+    trace_cache: dict[str, int] = dataclasses.field(default_factory=dict)
+    device: DeviceProfile | None = None  # the cost model's device (memwrap.memory.search.cost); None: the A100
 
     @property
     def unit(self) -> tuple[str, int]:
@@ -148,8 +153,9 @@ class Plan:
             b = self.best
             return (f"best: {b.label}: peak {fmt(b.estimate.peak)} + margin {fmt(b.margin)} "
                     f"= {fmt(b.required)} of {fmt(self.budget)}; predicted "
-                    f"{b.seconds:.3g} s/update on the reference GPU ({sum(c.fits for c in self.candidates)} of "
-                    f"{len(self.candidates)} candidates fit).{self._maths_note()}")
+                    f"{b.seconds:.3g} s/update on {(self.device or device_profile(None)).label} "
+                    f"({sum(c.fits for c in self.candidates)} of {len(self.candidates)} candidates fit)."
+                    f"{self._maths_note()}")
         low = min(self.candidates, key=lambda c: c.estimate.peak)
         if low.estimate.peak <= self.budget:
             return (f"nothing fits in {fmt(self.budget)} once the margin is added: {low.label} has a peak of "
@@ -160,6 +166,9 @@ class Plan:
                     f"your setup, or free memory.")
         s = self.smallest
         cat = s.estimate.dominant
+        w = s.estimate.state["parameters"]
+        if w + self.margin.of(w) > self.budget:  # the weights alone: the advice is about them, whatever dominates
+            cat = "parameters"
         # import cost: sharded planning (torch.distributed's trackers), needed only with world_size > 1.
         from memwrap.memory.sharded.plan import sharded_advice
 
@@ -174,9 +183,11 @@ class Plan:
             advice += (f" Your precision ({self.keep_precision}) was kept: list others (plan(precisions=('bf16', "
                        f"'bf16-true')), --precisions bf16,bf16-true) or pass keep_precision=None (--keep-precision any) "
                        f"to let the plan change it.")
+        top = s.estimate.dominant
+        weights = f"; its weights alone take {fmt(w)}" if cat != top else ""
         return (f"nothing fits in {fmt(self.budget)}: the smallest peak is {fmt(s.estimate.peak)} "
                 f"(+ margin {fmt(s.margin)} = {fmt(s.required)}) with {s.label}, dominated by "
-                f"{cat} ({fmt(s.estimate.breakdown[cat])}); {advice}")
+                f"{top} ({fmt(s.estimate.breakdown[top])}){weights}; {advice}")
 
     def _maths_note(self) -> str:
         """Says what the best candidate changes in the training maths (optimizer, precision, compensation), and
@@ -257,8 +268,9 @@ class Plan:
                 "margin": dataclasses.asdict(self.margin), "fits": self.fits, "keep_optim": self.keep_optim,
                 "sharding": self.sharding, "layouts": self.layouts,
                 "changes_maths": bool(self.best and self.best.changes), "verdict": self.verdict,
+                "device": (self.device or device_profile(None)).name,
                 "best": self.best.to_dict() if self.best else None, "code": self.code(),
-                "skipped": [{"label": lab, "reason": why} for lab, why in self.skipped],
+                "skipped": [{"label": lab, "reason": why} for lab, why in self.skipped], "trace_cache": self.trace_cache,
                 "candidates": [c.to_dict() for c in self.candidates]}
 
     def __str__(self) -> str:
@@ -282,6 +294,25 @@ def _over_budget(base: Any, optim: str, module: nn.Module, options: dict, budget
                                                         "(a lower bound: its step's temporaries are not counted)")
 
 
+def _with_trace_cache(fn: Callable) -> Callable:
+    """``plan`` run in one trace-cache session (the model described once for every key), its result saying how many
+    traces were read from the disk cache and how many were traced (:mod:`memwrap.memory.tracing.disk_cache`)."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Plan:
+        before = disk_cache.stats()
+        with disk_cache.session():
+            result = fn(*args, **kwargs)
+        after = disk_cache.stats()
+        if disk_cache.enabled():
+            result.trace_cache = {"read": after["hits"] - before["hits"],
+                                  "traced": sum(after[k] - before[k] for k in ("misses", "uncacheable"))}
+        return result
+
+    return run
+
+
+@_with_trace_cache
 def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int], Any], *, budget: int | str,
          global_batch: int, candidates: list[dict] | None = None, loss_fn: Callable | None = None,
          precisions: Iterable[str] | None = None, checkpoints: Iterable[Any] | None = None,
@@ -290,7 +321,7 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
          keep_precision: str | None = "fp32",
          progress: Callable[[int, int, str], Any] | None = None, world_size: Any = 1, strategy: Any = None,
          step_in_backward: Iterable[bool] | None = None, chunked_loss: Iterable[Any] | None = None,
-         keep_outputs: bool = True, _cache: dict | None = None) -> Plan:
+         keep_outputs: bool = True, device: Any = None, _cache: dict | None = None) -> Plan:
     """Find the fastest configuration whose predicted peak (plus margin) fits in ``budget``.
 
     ``make_batch(micro_batch_size)`` returns one micro-batch (see :func:`memwrap.estimate` for the
@@ -321,6 +352,9 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
     dimensions too (see :mod:`memwrap.memory.search.techniques`).
     ``keep_outputs`` is your loop's shape (see :func:`memwrap.estimate`): True (default) when it holds the model's
     outputs through backward, False when it drops them once the loss is computed (Trainer).
+    ``device`` is the device the cost model ranks for (:func:`memwrap.memory.search.cost.device_profile`): None or
+    ``"cuda"`` for the A100 reference GPU (default), ``"cpu"`` for this CPU (its matmul rates, per-op overhead and
+    memory bandwidth measured once per process), or a :class:`~memwrap.memory.search.cost.DeviceProfile`.
     ``world_size`` (an int or a list) and ``strategy`` (``"fsdp2"``, ``"ddp"``, a list, or None for both
     when ``world_size > 1``) make sharding a plan dimension: ``budget`` is per GPU, each rank runs
     ``micro_batch x accumulate`` of the fixed ``global_batch`` (so ``global_batch`` must be divisible by
@@ -339,6 +373,7 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
         raise TypeError("make_batch must be a callable taking the micro-batch size and returning one micro-batch, "
                         "e.g. lambda mb: preset_batch('gpt2', mb, 1024).")
     margin_ = Margin.parse(margin)
+    profile = device_profile(device)  # an unknown device: its message, before any tracing
     keep = _keep_optim(keep_optim, model)
     if keep_precision is not None:
         if not isinstance(keep_precision, str):
@@ -368,12 +403,14 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
 
     shardings = layouts(world_size, strategy, global_batch, micro_batches)
     if len(shardings) > 1:
-        return plan_layouts(plan, shardings, model, make_batch, budget=budget, global_batch=global_batch,
-                            candidates=candidates, loss_fn=loss_fn, precisions=precisions, checkpoints=checkpoints,
-                            optimizers=optimizers, micro_batches=micro_batches, margin=margin,
-                            max_grad_norm=max_grad_norm, keep_optim=keep_optim, keep_precision=keep_precision,
-                            progress=progress, step_in_backward=step_in_backward, chunked_loss=chunked_loss,
-                            keep_outputs=keep_outputs)
+        merged = plan_layouts(plan, shardings, model, make_batch, budget=budget, global_batch=global_batch,
+                              candidates=candidates, loss_fn=loss_fn, precisions=precisions, checkpoints=checkpoints,
+                              optimizers=optimizers, micro_batches=micro_batches, margin=margin,
+                              max_grad_norm=max_grad_norm, keep_optim=keep_optim, keep_precision=keep_precision,
+                              progress=progress, step_in_backward=step_in_backward, chunked_loss=chunked_loss,
+                              keep_outputs=keep_outputs, device=profile)
+        merged.device = profile
+        return merged
     # Traces and state floors shared by the stages of one search (same model, batch and layout).
     cache = _cache if _cache is not None else {"traces": {}, "floors": {}}
     if optimizers is None and candidates is None and keep is not None:
@@ -384,10 +421,15 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
                     max_grad_norm=max_grad_norm, keep_optim=keep, keep_precision=keep_precision, progress=_stage(progress, f"stage 1 ({keep} only)"),
                     world_size=world_size,
                     strategy=strategy, step_in_backward=step_in_backward, chunked_loss=chunked_loss,
-                    keep_outputs=keep_outputs, _cache=cache)
+                    keep_outputs=keep_outputs, device=profile, _cache=cache)
         if kept.best is not None and kept.best.fits and not kept.best.changes:
             kept.skipped.append(("(search space)", f"other optimizers not searched: a configuration keeping {keep} "
                                                    "fits (pass optimizers=... / --optimizers to compare others)"))
+            kept.seconds = time.perf_counter() - start
+            return kept
+        weights = _weights_never_fit(kept)
+        if weights:  # no optimizer changes the weights: the second stage could not fit either
+            kept.skipped.append(("(search space)", f"other optimizers not searched: {weights}"))
             kept.seconds = time.perf_counter() - start
             return kept
         optimizers = _smaller_state(keep)
@@ -512,7 +554,7 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
                                 f"optimizer {m['optim']!r} ({_origin(m['optim'])}) failed: {type(exc).__name__}: "
                                 f"{exc}"))
                 continue
-            results.append(_candidate(m, options, est, margin_, budget_bytes))
+            results.append(_candidate(m, options, est, margin_, budget_bytes, profile))
         done += 1
         if progress is not None:
             progress(done, total, f"traced {done}/{total}")
@@ -520,7 +562,21 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
         raise ValueError(f"no candidate could be traced: {skipped[0][1] if skipped else 'empty grid'}")
     return Plan(rank(results, budget_bytes, margin_, keep_optim=keep, keep_precision=keep_precision), budget_bytes,
                 global_batch, margin_, time.perf_counter() - start, skipped, keep,
-                _keep_note(keep, specs, results, floors), keep_precision)
+                _keep_note(keep, specs, results, floors), keep_precision, device=profile)
+
+
+def _weights_never_fit(p: Plan) -> str:
+    """Why no optimizer can make ``p`` fit, or '': every candidate's weights alone (this rank's, in its precision)
+    plus their margin exceed the budget, and an optimizer changes neither."""
+    if not p.candidates or any(c.fits for c in p.candidates):
+        return ""
+    low = min(p.candidates, key=lambda c: c.estimate.state["parameters"])
+    w = low.estimate.state["parameters"]
+    if w + p.margin.of(w) <= p.budget:
+        return ""
+    return (f"the weights alone take at least {format_bytes(w)} per GPU ({low.precision}; + margin "
+            f"{format_bytes(p.margin.of(w))}) > budget {format_bytes(p.budget)} in every precision searched, and no "
+            "optimizer changes them")
 
 
 def _stage(progress: Callable[[int, int, str], Any] | None, stage: str) -> Callable[[int, int, str], Any] | None:
@@ -578,14 +634,15 @@ def _origin(optim: str) -> str:
         return "plugin unknown"
 
 
-def _candidate(spec: dict, options: dict, est: Estimate, margin: Margin, budget: int) -> Candidate:
+def _candidate(spec: dict, options: dict, est: Estimate, margin: Margin, budget: int,
+               profile: DeviceProfile | None = None) -> Candidate:
     terms = cost_terms(flops=est.flops, ops=est.ops_per_micro_batch, micro_batches=options["accumulate"],
                        precision=spec["precision"], param_bytes=est.state["parameters"],
                        grad_bytes=est.state["gradients"], state_bytes=est.state["optimizer_state"],
                        offloaded=est.offloaded,
                        # paged state spills what the budget leaves free beyond peak + margin (memwrap.memory.search.cost)
                        paged_spill=max(0, est.paged_state - max(0, budget - est.peak - margin.of(est.peak))),
-                       host_state=est.host_state)
+                       host_state=est.host_state, device=profile)
     extra = margin.of(est.peak)
     others = {k: v for k, v in options.items()
               if k not in ("precision", "accumulate", "checkpoint", "optim", *TRACE_ONLY_OPTIONS)}

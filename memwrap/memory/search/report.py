@@ -54,8 +54,11 @@ def _in(plan: Any, n: int | float) -> str:
 
 def _header(plan: Any, candidates: bool = True) -> str:
     count = f"{len(plan.candidates)} candidates, " if candidates else ""
+    tc = getattr(plan, "trace_cache", None) or {}
+    cache = f" ({tc['read']} traces read from the cache, {tc['traced']} traced)" if tc.get("read") else ""
     return (f"memwrap plan: budget {_in(plan, plan.budget)}, global batch {plan.global_batch}, {count}margin "
-            f"{plan.margin.fraction:.0%} of peak + {_in(plan, plan.margin.fixed)}, planned in {plan.seconds:.1f} s")
+            f"{plan.margin.fraction:.0%} of peak + {_in(plan, plan.margin.fixed)}, planned in {plan.seconds:.1f} s"
+            f"{cache}")
 
 
 def _hidden_line(plan: Any, limit: int | None) -> list[str]:

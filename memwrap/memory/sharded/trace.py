@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import gc
 import itertools
 import sys
@@ -47,6 +48,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from memwrap.memory.tracing.disk_cache import remember
 from memwrap.memory.tracing.trace import (
     NOT_WRAP_OPTIONS, SegmentMixin, Stack, TraceResult, _offload_to_host, _precision, _state, _to_fake, default_loss, drive_step, truncated,
 )
@@ -251,9 +253,18 @@ def fsdp2_refusals(optimizers: list[str], world_size: int) -> dict[str, str]:
     are, and on the fake process group torchao's 8-bit AdamW failed the probe layer's 8-rank shards (32 rows) while
     it steps real shards (tests/test_plan_pruning.py compares the probe with 2 real gloo ranks)."""
     out = {}
-    with fake_process_group(min(int(world_size), 2)) as mesh:
+    with contextlib.ExitStack() as stack:
+        mesh = None
+
+        def probe(name: str) -> str | None:
+            nonlocal mesh
+            if mesh is None:  # the fake process group only when a probe runs (not when every answer is stored)
+                mesh = stack.enter_context(fake_process_group(min(int(world_size), 2)))
+            return sharding_refusal(name, mesh)
+
         for name in dict.fromkeys(optimizers):
-            why = sharding_refusal(name, mesh)
+            # The answer depends on the optimizer's code only (memwrap.memory.tracing.disk_cache keys it so).
+            why = remember("fsdp2 refusal", [name], functools.partial(probe, name))
             if why is not None:
                 out[name] = why
     return out

@@ -5,7 +5,8 @@ traced with the stack truncated to ``a`` and ``b = a + p`` blocks, and every seg
 extrapolated linearly to ``L`` blocks, per category (FLOPs and ops too). ``p`` is the period of
 the checkpointed pattern along the stack (1 without checkpointing or when every block is treated
 alike, ``k`` for ``every-k``), ``a`` the smallest depth >= ``max(1 or 2, p)`` with
-``(L - a) % p == 0`` (see :mod:`memwrap.memory.tracing.depth`).
+``(L - a) % p == 0`` (see :mod:`memwrap.memory.tracing.depth`). With ``extrapolate="auto"`` a stack
+that short (``a + b >= L``) is traced whole instead: one trace of ``L`` blocks costs less than two of ``a + b``.
 
 This is exact, not a fit, under one condition: the model at each depth ``a + m*p`` is the full
 model's checkpointing pattern cut there (the checkpointed blocks repeat with period ``p``, the
@@ -32,6 +33,7 @@ from torch import nn
 from memwrap.memory.budget import format_bytes
 from memwrap.memory.tracing.depth import extrapolation_depths
 from memwrap.memory.tracing.trace import TRACE_ONLY_OPTIONS, Segment, Stack, TraceResult, find_stack, run_trace
+from memwrap.memory.tracing.disk_cache import cached
 from memwrap.memory.tracing.workspace import Workspace, enabled as workspace_enabled
 from memwrap.config.options import parse_options
 from memwrap.plugin.registry import create_optimizer, get_optimizer_spec
@@ -162,12 +164,21 @@ def _extrapolate(ta: TraceResult, tb: TraceResult, a: int, b: int, n: int, stack
 
 def trace_config(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Callable | None,
                  options: dict[str, Any], optimizer: str | None, *, extrapolate: bool | str = "auto",
-                 stack: Stack | None | str = "auto", world_size: int = 1, strategy: str | None = None) -> Trace:
+                 stack: Stack | None | str = "auto", world_size: int = 1, strategy: str | None = None,
+                 cache: bool | None = None) -> Trace:
     """Trace (or trace truncated copies and extrapolate) one configuration; see the module docstring.
 
     With ``strategy="fsdp2"`` the step traced is rank 0's of ``world_size`` FSDP2 ranks; with
     ``"ddp"`` the single-process step plus DDP's gradient buckets (see :mod:`memwrap.memory.sharded.trace`).
+    A trace of the same inputs made before is read from the disk cache instead
+    (:mod:`memwrap.memory.tracing.disk_cache`; ``cache=False`` or ``MEMWRAP_TRACE_CACHE=0`` turns it off).
     """
+    return cached(lambda: _traced(model, make_batch, loss_fn, options, optimizer, extrapolate, stack, world_size,
+                                  strategy), model, make_batch, loss_fn, options, optimizer, kinds=(Trace, Segment),
+                  use=cache, extrapolate=extrapolate, stack=stack, world_size=world_size, strategy=strategy)
+
+
+def _traced(model, make_batch, loss_fn, options, optimizer, extrapolate, stack, world_size, strategy) -> Trace:
 
     # Optimizer state a plugin predicts (derive) is sized on the parameters as the precision stores them.
     dtype = get_precision(options.get("precision", "fp32")).param_dtype
@@ -202,6 +213,9 @@ def _trace_config(model, make_batch, loss_fn, options, optimizer, extrapolate, s
     depths = None
     if extrapolate in (True, "auto") and stack is not None:
         depths = extrapolation_depths(model, stack, options, min_depth, min_periods)
+        if depths is not None and extrapolate == "auto" and sum(depths) >= stack.length:
+            # Two traces of a + b >= L blocks cost more than one of the whole stack, which is exact by definition.
+            depths = None
     if depths is not None:
         a, b = depths
         try:

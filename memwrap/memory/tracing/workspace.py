@@ -31,6 +31,9 @@ Example:
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.metadata
 import json
 import os
 import time
@@ -44,7 +47,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["Workspace", "cache_dir", "enabled", "probe_count", "FIT_SIZES", "HELD_OUT", "STEP_SIZES"]
+__all__ = ["Workspace", "cache_dir", "enabled", "installed_digest", "probe_count", "FIT_SIZES", "HELD_OUT", "STEP_SIZES"]
 
 aten = torch.ops.aten
 # oneDNN picks other algorithms for a batch of one (a 64-channel 3x3 convolution: 576 KiB of scratch at batch 1,
@@ -80,6 +83,19 @@ def enabled(option: bool | None = None) -> bool:
     if option is not None:
         return bool(option)
     return os.environ.get("MEMWRAP_WORKSPACE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@functools.cache
+def installed_digest() -> str:
+    """A digest of every installed distribution and its version: what a measured failure (an optimizer that cannot
+    step on this machine) and a stored trace were measured with.
+
+    Example:
+        >>> len(installed_digest())
+        64
+    """
+    names = sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions())
+    return hashlib.sha256(";".join(names).encode()).hexdigest()
 
 
 def cache_dir() -> Path:
@@ -390,6 +406,9 @@ class Workspace:
         key = json.dumps(["optimizer step", name, str(dtype), _flags(self.device)], separators=(",", ":"))
         fits = self._load()
         fit = fits.get(key)
+        if isinstance(fit, dict) and "error" in fit and fit.get("installed") == installed_digest():
+            # It failed with these libraries installed: not probed again (an import alone can take seconds).
+            raise RuntimeError(fit["error"])
         if not isinstance(fit, dict) or "scratch" not in fit:
             _probes["count"] += 1
             start = time.perf_counter()
@@ -397,14 +416,20 @@ class Workspace:
             # The library's own warnings while it steps a probe tensor (torchao's compile notes) are not the user's.
             with unset_fake_temporarily(), _disable_current_modes(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                for n in STEP_SIZES:
-                    module = torch.nn.Module()
-                    module.weight = torch.nn.Parameter(torch.randn(n, dtype=dtype, device=self.device))
-                    opt = make(module)
-                    module.weight.grad = torch.randn_like(module.weight)
-                    opt.step()  # creates the state: not measured (the estimate's steady state)
-                    points[n] = _measure(opt.step, self.device)[0]
-                    del opt, module
+                try:
+                    for n in STEP_SIZES:
+                        module = torch.nn.Module()
+                        module.weight = torch.nn.Parameter(torch.randn(n, dtype=dtype, device=self.device))
+                        opt = make(module)
+                        module.weight.grad = torch.randn_like(module.weight)
+                        opt.step()  # creates the state: not measured (the estimate's steady state)
+                        points[n] = _measure(opt.step, self.device)[0]
+                        del opt, module
+                except Exception as exc:  # noqa: BLE001 - remembered (with the libraries it failed with), re-raised
+                    error = f"{type(exc).__name__}: {str(exc)[:240]}"
+                    fits[key] = {"op": f"optimizer step ({name})", "error": error, "installed": installed_digest()}
+                    self._save()
+                    raise RuntimeError(error) from exc
             (n1, n2, held_n) = STEP_SIZES
             b = (points[n2] - points[n1]) / (n2 - n1)
             a = points[n1] - b * n1
