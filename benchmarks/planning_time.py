@@ -66,7 +66,9 @@ for x, y in loader:
     model(x)
     break
 bp = opt.budget_plan
-json.dump({"seconds": bp.plan_seconds, "candidates": None, "fit": None, "best": str(bp.current),
+c = bp.current
+json.dump({"seconds": bp.plan_seconds, "candidates": None, "fit": None,
+           "best": f"{c.micro_batch}x{c.accumulate} {c.precision} {c.checkpoint or 'no-ckpt'} {c.optim}",
            "trace_cache": {}}, open(sys.argv[1], "w"))
 """,
 }
@@ -155,21 +157,28 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "planning_time.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot(rows, OUT / "planning_time.png")
+    (OUT / "planning_time.md").write_text(render(rows, meta))
+    print(render(rows, meta))
+
+
+def render(rows: list[dict], meta: dict) -> str:
+    """The markdown table of ``rows`` (what main() writes to docs/benchmarks/planning_time.md)."""
     lines = ["# Planning time\n", f"`{meta['command']}` on {meta['cpus']} CPUs, {meta['date']}; median of the "
              "repetitions, each in a fresh process. Seconds planning (`planned in`, what `plan()` spends; the process "
              "adds about 2.5 s of imports, in the wall column). **cold**: nothing cached (first plan on a machine); "
-             "**fits**: kernel-workspace fits cached, trace cache off (a new model or command); **warm**: traces "
-             "cached (the same command planned before, e.g. with another budget).\n",
+             "**fits**: kernel-workspace fits and probe answers cached, trace cache off (a new model or command); "
+             "**warm**: traces cached (the same command planned before, e.g. with another budget).\n",
              "| command | target s | cold s | fits s | warm s | warm wall s | candidates | best |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         mark = {s: ("" if r[s]["planned_s"] <= r["target_s"] else " (over)") for s in STATES}
-        lines.append(f"| `{r['command']}` | {r['target_s']} | {r['cold']['planned_s']:.1f}{mark['cold']} | "
+        what = r["name"] if r["command"].startswith("library:") else f"`{r['command']}`"
+        lines.append(f"| {what} | {r['target_s']} | {r['cold']['planned_s']:.1f}{mark['cold']} | "
                      f"{r['fits']['planned_s']:.1f}{mark['fits']} | {r['warm']['planned_s']:.2f}{mark['warm']} | "
                      f"{r['warm']['wall_s']:.1f} | {r['candidates'] if r['candidates'] is not None else '-'} | "
                      f"{r['best'] or 'nothing fits'} |")
-    (OUT / "planning_time.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines) + "\n"
+
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ os.environ.setdefault("MEMWRAP_CACHE_DIR", tempfile.mkdtemp(prefix="memwrap-test
 # The trace cache (memwrap/memory/tracing/disk_cache.py) is off: many tests patch the tracer or a plugin and must see
 # their patch traced, not a trace stored by an earlier test. tests/test_disk_cache.py turns it on where it is tested.
 os.environ.setdefault("MEMWRAP_TRACE_CACHE", "0")
+os.environ.setdefault("MEMWRAP_VALUE_CACHE", "0")  # the same for stored probe answers (disk_cache.remember)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

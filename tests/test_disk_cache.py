@@ -21,6 +21,7 @@ from memwrap.models import GPT, GPTConfig
 def cache_on(tmp_path, monkeypatch):
     monkeypatch.setenv("MEMWRAP_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("MEMWRAP_TRACE_CACHE", "1")
+    monkeypatch.setenv("MEMWRAP_VALUE_CACHE", "1")
     return tmp_path / "cache" / "traces"
 
 

@@ -106,6 +106,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="write the plan as JSON to PATH, or to stdout (instead of the table) without PATH")
     p.add_argument("--plot", metavar="PNG", help="stacked bars by category per candidate, with the budget line")
     p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--exhaustive", action="store_true",
+                   help="trace every candidate, also the checkpointed ones that a fitting candidate without "
+                        "checkpointing (the same settings otherwise) outruns (default: left out, and listed as "
+                        "skipped; listing --checkpoints traces them all too)")
     p.add_argument("--no-trace-cache", action="store_true",
                    help="trace every candidate again instead of reading traces made before from the disk cache "
                         "(MEMWRAP_TRACE_CACHE=0 does the same; see docs/planner.md)")
@@ -481,7 +485,7 @@ def run(args: argparse.Namespace) -> int:
                       progress=progress,
                       world_size=_world_sizes(args.world_size), strategy=_list(args.strategy),
                       step_in_backward=_switch(args.step_in_backward), chunked_loss=_switch(args.chunked_loss),
-                      keep_outputs=not args.drop_outputs)
+                      keep_outputs=not args.drop_outputs, exhaustive=True if args.exhaustive else None)
     except (ValueError, TypeError) as exc:
         progress.close()
         print(f"memwrap plan: {exc}", file=sys.stderr)

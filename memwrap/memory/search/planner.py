@@ -116,6 +116,9 @@ class Plan:
     keep_precision: str | None = None  # the user's precision; None: any precision is the user's maths
     # {"read": traces read from the disk cache, "traced": traced now}; empty with the cache off
     trace_cache: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Fitting candidates without checkpointing for which the checkpointed ones of the same settings were not traced
+    # (the default search; see plan(exhaustive=)): with_budget() refuses a budget under which one no longer fits.
+    dominators: list = dataclasses.field(default_factory=list)
     device: DeviceProfile | None = None  # the cost model's device (memwrap.memory.search.cost); None: the A100
 
     @property
@@ -244,11 +247,20 @@ class Plan:
         from memwrap.memory.sharded.plan import fewest_gpus_first
 
         margin_ = Margin.parse(margin) if margin is not None else self.margin
+        new_budget = parse_budget(budget)
+        lost = [d for d in self.dominators if d.estimate.peak + margin_.of(d.estimate.peak) > new_budget]
+        if lost:
+            raise ValueError(
+                f"this plan did not trace the checkpointed variants of {len(self.dominators)} candidate(s) because "
+                f"each fit in {format_bytes(self.budget)} and checkpointing can only be slower; under "
+                f"{format_bytes(new_budget)} {lost[0].label} no longer fits, so those variants may be the answer. "
+                "Fix: plan again with the new budget, or plan once with exhaustive=True (--exhaustive), or with "
+                "checkpoints=... listed, and re-judge that plan.")
         cands = [dataclasses.replace(c) for c in self.candidates]
         ranked = fewest_gpus_first(rank(cands, parse_budget(budget), margin_, keep_optim=self.keep_optim,
                                         keep_precision=self.keep_precision))
-        return Plan(ranked, parse_budget(budget), self.global_batch, margin_, self.seconds, list(self.skipped),
-                    self.keep_optim, self.keep_note, self.keep_precision)
+        return Plan(ranked, new_budget, self.global_batch, margin_, self.seconds, list(self.skipped),
+                    self.keep_optim, self.keep_note, self.keep_precision, dominators=list(self.dominators))
 
     def code(self, model: str = "model", optimizer: str = "optimizer") -> str:
         """The two lines to paste for the best candidate (or the smallest, when nothing fits)."""
@@ -321,7 +333,8 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
          keep_precision: str | None = "fp32",
          progress: Callable[[int, int, str], Any] | None = None, world_size: Any = 1, strategy: Any = None,
          step_in_backward: Iterable[bool] | None = None, chunked_loss: Iterable[Any] | None = None,
-         keep_outputs: bool = True, device: Any = None, _cache: dict | None = None) -> Plan:
+         keep_outputs: bool = True, device: Any = None, exhaustive: bool | None = None,
+         _cache: dict | None = None) -> Plan:
     """Find the fastest configuration whose predicted peak (plus margin) fits in ``budget``.
 
     ``make_batch(micro_batch_size)`` returns one micro-batch (see :func:`memwrap.estimate` for the
@@ -350,6 +363,11 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
     change does. ``step_in_backward``
     and ``chunked_loss`` (lists of values, default: both where they apply) and paged optimizer state are plan
     dimensions too (see :mod:`memwrap.memory.search.techniques`).
+    ``exhaustive`` (default: True when you list ``checkpoints``, else False): with False, a checkpointed candidate
+    is not traced when the same settings without checkpointing (micro-batch, precision, optimizer without paged
+    state, techniques) fit: checkpointing only adds recompute (and offloading, transfers) to that step, so it cannot
+    rank before it; the skipped rows say so, and :meth:`Plan.with_budget` refuses a budget under which such a
+    candidate no longer fits. True traces every candidate.
     ``keep_outputs`` is your loop's shape (see :func:`memwrap.estimate`): True (default) when it holds the model's
     outputs through backward, False when it drops them once the loss is computed (Trainer).
     ``device`` is the device the cost model ranks for (:func:`memwrap.memory.search.cost.device_profile`): None or
@@ -387,6 +405,12 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
     precisions = plan_values("precisions", precisions, element=(str,), example=", e.g. precisions=('bf16', 'fp32')")
     optimizers = plan_values("optimizers", optimizers, element=(str,), example=", e.g. optimizers=('adamw',)")
     checkpoints = plan_values("checkpoints", checkpoints, example=", e.g. checkpoints=(None, 'full')")
+    if exhaustive is not None and not isinstance(exhaustive, bool):
+        raise TypeError(f"plan(exhaustive={exhaustive!r}) must be True (trace every candidate), False (leave out the "
+                        "checkpointed candidates a fitting one without checkpointing outruns) or None (True when "
+                        "checkpoints= is listed).")
+    if exhaustive is None:
+        exhaustive = checkpoints is not None
     micro_batches = plan_values("micro_batches", micro_batches, single=(int,), element=(int,),
                                 example=", e.g. micro_batches=(8, 4)")
     for what, fn in (("loss_fn", loss_fn), ("progress", progress)):
@@ -408,7 +432,7 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
                               optimizers=optimizers, micro_batches=micro_batches, margin=margin,
                               max_grad_norm=max_grad_norm, keep_optim=keep_optim, keep_precision=keep_precision,
                               progress=progress, step_in_backward=step_in_backward, chunked_loss=chunked_loss,
-                              keep_outputs=keep_outputs, device=profile)
+                              keep_outputs=keep_outputs, device=profile, exhaustive=exhaustive)
         merged.device = profile
         return merged
     # Traces and state floors shared by the stages of one search (same model, batch and layout).
@@ -421,7 +445,7 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
                     max_grad_norm=max_grad_norm, keep_optim=keep, keep_precision=keep_precision, progress=_stage(progress, f"stage 1 ({keep} only)"),
                     world_size=world_size,
                     strategy=strategy, step_in_backward=step_in_backward, chunked_loss=chunked_loss,
-                    keep_outputs=keep_outputs, device=profile, _cache=cache)
+                    keep_outputs=keep_outputs, device=profile, exhaustive=exhaustive, _cache=cache)
         if kept.best is not None and kept.best.fits and not kept.best.changes:
             kept.skipped.append(("(search space)", f"other optimizers not searched: a configuration keeping {keep} "
                                                    "fits (pass optimizers=... / --optimizers to compare others)"))
@@ -476,7 +500,9 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
     # Smallest micro-batch first: the first traced group of a family gives the state floor (weights, gradients,
     # optimizer state) that every other group of the family must exceed; over the budget, they are not traced.
     floors: dict[tuple, dict[str, tuple[int, str]]] = cache["floors"]
-    for key, members in sorted(groups.items(), key=lambda kv: kv[0][0]):
+    # Within a micro-batch, the groups without checkpointing first: a fitting one outruns its checkpointed variants.
+    dominators: dict[tuple, Candidate] = {}
+    for key, members in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2] != "None")):
         fam, mb = family(key, per_rank), key[0]
         known = floors.setdefault(fam, {})
         over = [m for m in members if m["optim"] in known and
@@ -486,6 +512,13 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
                      f", traced with {known[m['optim']][1]}; the same whatever the micro-batch and checkpoint policy) "
                      f"+ margin exceed the budget") for m in over]
         members = [m for m in members if m not in over]
+        if not exhaustive and members and members[0]["checkpoint"] is not None:
+            slower = [(m, dominators[_settings(m)]) for m in members if _settings(m) in dominators]
+            skipped += [(f"{m['micro_batch']}x{per_rank // mb} {m['precision']} {m['checkpoint']} {m['optim']}",
+                         f"not traced: it cannot outrun {d.label}, which fits (the same step with checkpointing only "
+                         f"adds recompute and transfers; plan(exhaustive=True) / --exhaustive traces it)")
+                        for m, d in slower]
+            members = [m for m in members if _settings(m) not in dominators]
         if not members:
             done += 1
             continue
@@ -555,14 +588,28 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
                                 f"{exc}"))
                 continue
             results.append(_candidate(m, options, est, margin_, budget_bytes, profile))
+            c = results[-1]
+            # Paged state spills less under a smaller peak (its cost term falls with checkpointing): no bound there.
+            if m["checkpoint"] is None and c.fits and not est.paged_state and not est.offloaded:
+                dominators.setdefault(_settings(m), c)
         done += 1
         if progress is not None:
             progress(done, total, f"traced {done}/{total}")
     if not results:
         raise ValueError(f"no candidate could be traced: {skipped[0][1] if skipped else 'empty grid'}")
+    used = {id(d): d for d in dominators.values()
+            if any(why.startswith(f"not traced: it cannot outrun {d.label},") for _, why in skipped)}
     return Plan(rank(results, budget_bytes, margin_, keep_optim=keep, keep_precision=keep_precision), budget_bytes,
                 global_batch, margin_, time.perf_counter() - start, skipped, keep,
-                _keep_note(keep, specs, results, floors), keep_precision, device=profile)
+                _keep_note(keep, specs, results, floors), keep_precision, device=profile,
+                dominators=list(used.values()))
+
+
+def _settings(spec: dict) -> tuple:
+    """A candidate's settings but its checkpoint policy: what a candidate without checkpointing shares with the
+    checkpointed variants it outruns."""
+    return (spec["micro_batch"], spec["precision"], str(spec["optim"]), spec.get("step_in_backward"),
+            repr(spec.get("chunked_loss")), spec.get("compensation"))
 
 
 def _weights_never_fit(p: Plan) -> str:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from memwrap.memory.tracing.disk_cache import remember
 from memwrap.memory.budget import format_bytes
 from memwrap.checkpointing.apply import resolve_policy
 from memwrap.checkpointing.policies import parse_checkpoint_option
@@ -99,6 +100,12 @@ def compensation_for(precision: str, optim: str) -> str | None:
     cls = get_precision_class(precision)
     if "none" not in cls.compensations:
         return None
+    # Building the optimizer imports its library (bitsandbytes: a second): the answer is stored with the code and
+    # versions it depends on (memwrap.memory.tracing.disk_cache.remember).
+    return remember("compensation", [precision, str(optim)], lambda: _compensation(cls, optim))
+
+
+def _compensation(cls: Any, optim: str) -> str | None:
     param = torch.nn.Parameter(torch.zeros(4, 4))
     try:
         spec = get_optimizer_spec(optim)

@@ -88,7 +88,8 @@ def plan_layouts(plan_fn: Callable, shardings: list[tuple[int, str | None]], mod
     skipped = [x for p in real for x in p.skipped]
     # type(first): the planner's Plan, taken from the plans it made (the planner imports this module)
     return type(first)(ranked, first.budget, first.global_batch, first.margin, sum(p.seconds for p in real), skipped,
-                first.keep_optim, next((p.keep_note for p in real if p.keep_note), ""), first.keep_precision)
+                first.keep_optim, next((p.keep_note for p in real if p.keep_note), ""), first.keep_precision,
+                dominators=[d for p in real for d in getattr(p, "dominators", [])])
 
 
 def fewest_gpus_first(ranked: list) -> list:

@@ -422,13 +422,17 @@ def cached(compute: Callable[[], Any], model: nn.Module, make_batch: Callable[[]
 def remember(kind: str, parts: Any, compute: Callable[[], Any], *, use: bool | None = None) -> Any:
     """``compute()`` (a JSON value that depends only on ``parts`` and the code and versions underneath), or the value
     stored for them before: e.g. whether an optimizer steps FSDP2's DTensor shards, which the planner otherwise
-    learns with a real step of each installed optimizer on every plan.
+    learns with a real step of each installed optimizer on every plan. ``use`` None: on unless
+    ``MEMWRAP_VALUE_CACHE=0`` (the trace cache's switch does not turn it off: a stored value is a fact about this
+    machine's libraries, as a kernel-workspace fit is).
 
     Example:
         >>> remember("example", ["sgd"], lambda: None, use=False) is None
         True
     """
-    if not enabled(use):
+    if use is None:  # its own switch: a value is a fact about this machine's libraries, like a workspace fit
+        use = os.environ.get("MEMWRAP_VALUE_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
+    if not use:
         return compute()
     key = hashlib.sha256(json.dumps([_environment(), kind, _describe(parts)], sort_keys=True).encode()).hexdigest()
     path = folder() / "values" / f"{key}.json"

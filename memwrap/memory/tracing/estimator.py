@@ -5,8 +5,10 @@ traced with the stack truncated to ``a`` and ``b = a + p`` blocks, and every seg
 extrapolated linearly to ``L`` blocks, per category (FLOPs and ops too). ``p`` is the period of
 the checkpointed pattern along the stack (1 without checkpointing or when every block is treated
 alike, ``k`` for ``every-k``), ``a`` the smallest depth >= ``max(1 or 2, p)`` with
-``(L - a) % p == 0`` (see :mod:`memwrap.memory.tracing.depth`). With ``extrapolate="auto"`` a stack
-that short (``a + b >= L``) is traced whole instead: one trace of ``L`` blocks costs less than two of ``a + b``.
+``(L - a) % p == 0`` (see :mod:`memwrap.memory.tracing.depth`). The two traces run at once where a second core
+allows (:mod:`memwrap.memory.tracing.parallel`). With ``extrapolate="auto"`` a stack so short that they cost no
+less than one trace of all ``L`` blocks (``b >= L`` traced at once, ``a + b >= L`` one after the other) is traced
+whole instead.
 
 This is exact, not a fit, under one condition: the model at each depth ``a + m*p`` is the full
 model's checkpointing pattern cut there (the checkpointed blocks repeat with period ``p``, the
@@ -33,6 +35,7 @@ from torch import nn
 from memwrap.memory.budget import format_bytes
 from memwrap.memory.tracing.depth import extrapolation_depths
 from memwrap.memory.tracing.trace import TRACE_ONLY_OPTIONS, Segment, Stack, TraceResult, find_stack, run_trace
+from memwrap.memory.tracing import parallel
 from memwrap.memory.tracing.disk_cache import cached
 from memwrap.memory.tracing.workspace import Workspace, enabled as workspace_enabled
 from memwrap.config.options import parse_options
@@ -213,14 +216,17 @@ def _trace_config(model, make_batch, loss_fn, options, optimizer, extrapolate, s
     depths = None
     if extrapolate in (True, "auto") and stack is not None:
         depths = extrapolation_depths(model, stack, options, min_depth, min_periods)
-        if depths is not None and extrapolate == "auto" and sum(depths) >= stack.length:
-            # Two traces of a + b >= L blocks cost more than one of the whole stack, which is exact by definition.
+        # Traced at once (memwrap.memory.tracing.parallel), the two depths cost the deeper one's time, else their sum:
+        # where that is not less than one trace of the whole stack (exact by definition), trace it whole.
+        if depths is not None and extrapolate == "auto" and \
+                (depths[1] if parallel.enabled() else sum(depths)) >= stack.length:
             depths = None
     if depths is not None:
         a, b = depths
         try:
-            ta = runner(model, make_batch, loss_fn, options, factory, stack=stack, depth=a)
-            tb = runner(model, make_batch, loss_fn, options, factory, stack=stack, depth=b)
+            ta, tb = parallel.both(
+                lambda: runner(model, make_batch, loss_fn, options, factory, stack=stack, depth=a),
+                lambda: runner(model, make_batch, loss_fn, options, factory, stack=stack, depth=b))
         except (IndexError, KeyError, AttributeError, RuntimeError, ValueError):
             ta = tb = None  # the model's forward depends on its depth: trace it whole
         if tb is not None:

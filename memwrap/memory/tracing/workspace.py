@@ -277,6 +277,12 @@ class Workspace:
     def _save(self) -> None:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
+            try:  # another process (a parallel trace, a second plan) may have added fits since this one loaded
+                data = json.loads(self.path.read_text())
+                if isinstance(data, dict) and data.get("format") == _FORMAT and isinstance(data.get("fits"), dict):
+                    self.fits = {**data["fits"], **self.fits}
+            except (OSError, ValueError):
+                pass
             tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps({"format": _FORMAT, "torch": torch.__version__, "device": self.device.type,
                                        "fits": self.fits}, indent=1, sort_keys=True))

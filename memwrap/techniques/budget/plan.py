@@ -334,7 +334,7 @@ class BudgetPlanner:
                                         world_size=ranks, strategy=strategy,
                                         max_grad_norm=self.opts.max_grad_norm, keep_optim=self._keep(module),
                                         keep_precision=self.model._precision.name,
-                                        keep_outputs=self.keep_outputs, **space)
+                                        keep_outputs=self.keep_outputs, exhaustive=False, **space)  # the best only
             except (RuntimeError, TypeError) as exc:
                 raise ValueError(
                     f"budget= could not trace one training step of the model on this batch ({type(exc).__name__}: "
