@@ -1,9 +1,7 @@
 """`memwrap demo` end to end, the benchmark scripts' CPU paths (gpu_check --dry-run, seed_claims --fast)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 import sys
 
 import pytest
@@ -14,16 +12,11 @@ from hypothesis import strategies as st
 from memwrap.cli import main
 from memwrap.demo.runner import Batches, _budget
 from memwrap.demo.corpus import CORPUS, corpus_tokens
+from benchmark_loading import load_benchmark
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec.loader.exec_module(module)
-    return module
+_load = load_benchmark  # tests/benchmark_loading.py
 
 
 def test_demo_end_to_end(tmp_path, capsys):

@@ -2,24 +2,16 @@
 no-ties closed form 1 - 6 sum(d^2) / (n (n^2 - 1))."""
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import math
-import pathlib
-import sys
 
 import pytest
+from benchmark_loading import load_benchmark
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec.loader.exec_module(module)
-    return module
+_load = load_benchmark  # tests/benchmark_loading.py
 
 
 rank_check = _load("rank_check")

@@ -52,7 +52,7 @@ from torch.utils._foreach_utils import _has_foreach_support
 
 from memwrap.runtime.optimizer import _no_values
 
-__all__ = ["NormPass", "needs_norm_pass"]
+__all__ = ["NormPass", "ParamHook", "needs_norm_pass"]
 
 
 def needs_norm_pass(max_grad_norm: float | None, scaler: torch.amp.GradScaler) -> bool:
@@ -63,6 +63,27 @@ def needs_norm_pass(max_grad_norm: float | None, scaler: torch.amp.GradScaler) -
         (True, False)
     """
     return max_grad_norm is not None or scaler.is_enabled()
+
+
+class ParamHook:
+    """A post-accumulate-grad hook that calls ``owner._on_gradient(param)``, holding its owner weakly: a
+    :class:`~memwrap.techniques.step_in_backward.StepInBackward` or
+    :class:`~memwrap.techniques.updates_in_backward.UpdatesInBackward`, which the parameters must not keep alive.
+
+    Example:
+        >>> hook = ParamHook(weakref.ref(owner))  # doctest: +SKIP
+        >>> param.register_post_accumulate_grad_hook(hook)  # doctest: +SKIP
+    """
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: weakref.ref):
+        self.owner = owner
+
+    def __call__(self, param: torch.Tensor) -> None:
+        owner = self.owner()
+        if owner is not None:
+            owner._on_gradient(param)
 
 
 def _graph_task_id() -> int:

@@ -69,7 +69,7 @@ import torch
 from torch import nn
 
 from memwrap.runtime.optimizer import _no_values, _total_norm
-from memwrap.techniques.norm_pass import NormPass, needs_norm_pass
+from memwrap.techniques.norm_pass import NormPass, ParamHook as _Hook, needs_norm_pass
 from memwrap.techniques.updates_in_backward import supports_norm_pass
 from memwrap.integrations.accelerate import accelerated_optimizer
 from memwrap.runtime.distributed import sync_control
@@ -411,20 +411,6 @@ class StepInBackward:
 
     def _name(self, param: torch.Tensor) -> str:
         return repr(self._names.get(id(param), f"of shape {tuple(param.shape)}"))
-
-
-class _Hook:
-    """The post-accumulate hook on each parameter: calls its StepInBackward, held weakly (see StepInBackward)."""
-
-    __slots__ = ("owner",)
-
-    def __init__(self, owner: weakref.ref):
-        self.owner = owner
-
-    def __call__(self, param: torch.Tensor) -> None:
-        owner = self.owner()
-        if owner is not None:
-            owner._on_gradient(param)
 
 
 def _graph_task_id() -> int:

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memwrap.techniques.norm_pass import NormPass, _graph_task_id, needs_norm_pass
+from memwrap.techniques.norm_pass import NormPass, ParamHook as _Hook, _graph_task_id, needs_norm_pass
 
 __all__ = ["UpdatesInBackward", "supports_norm_pass", "uses_norm_pass"]
 
@@ -177,20 +177,6 @@ class UpdatesInBackward:
         if self.gate.__dict__.get("backward_watch") is not None \
                 and self.gate.backward_watch() == self.check_backward_start:
             self.gate.backward_watch = None
-
-
-class _Hook:
-    """The post-accumulate hook on each parameter, holding its UpdatesInBackward weakly."""
-
-    __slots__ = ("owner",)
-
-    def __init__(self, owner: weakref.ref):
-        self.owner = owner
-
-    def __call__(self, param: torch.Tensor) -> None:
-        owner = self.owner()
-        if owner is not None:
-            owner._on_gradient(param)
 
 
 def _release(handles: list, optimizer: torch.optim.Optimizer) -> None:

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from memwrap.memory.tracing.workspace import cache_dir, enabled as workspace_enabled, installed_digest
+from memwrap.memory.tracing.workspace import cache_dir, enabled as workspace_enabled, installed_digest, switch
 
 __all__ = ["cached", "remember", "trace_key", "enabled", "folder", "stats", "session", "within_session", "Uncacheable"]
 
@@ -67,9 +67,7 @@ def enabled(option: bool | None = None) -> bool:
         >>> enabled(False)
         False
     """
-    if option is not None:
-        return bool(option)
-    return os.environ.get("MEMWRAP_TRACE_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return switch("MEMWRAP_TRACE_CACHE", option)
 
 
 def folder() -> Path:
@@ -430,9 +428,8 @@ def remember(kind: str, parts: Any, compute: Callable[[], Any], *, use: bool | N
         >>> remember("example", ["sgd"], lambda: None, use=False) is None
         True
     """
-    if use is None:  # its own switch: a value is a fact about this machine's libraries, like a workspace fit
-        use = os.environ.get("MEMWRAP_VALUE_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
-    if not use:
+    # Its own switch: a value is a fact about this machine's libraries, like a workspace fit.
+    if not switch("MEMWRAP_VALUE_CACHE", use):
         return compute()
     key = hashlib.sha256(json.dumps([_environment(), kind, _describe(parts)], sort_keys=True).encode()).hexdigest()
     path = folder() / "values" / f"{key}.json"

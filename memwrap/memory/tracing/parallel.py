@@ -48,7 +48,7 @@ def enabled() -> bool:
     """
     if _IN_CHILD or not sys.platform.startswith("linux") or not hasattr(os, "fork"):
         return False
-    if os.environ.get("MEMWRAP_TRACE_WORKERS", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not workspace.switch("MEMWRAP_TRACE_WORKERS"):
         return False
     try:
         cores = len(os.sched_getaffinity(0))

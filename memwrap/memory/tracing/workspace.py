@@ -47,7 +47,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["Workspace", "cache_dir", "enabled", "installed_digest", "probe_count", "FIT_SIZES", "HELD_OUT", "STEP_SIZES"]
+__all__ = ["Workspace", "cache_dir", "enabled", "installed_digest", "switch", "probe_count", "FIT_SIZES", "HELD_OUT", "STEP_SIZES"]
 
 aten = torch.ops.aten
 # oneDNN picks other algorithms for a batch of one (a 64-channel 3x3 convolution: 576 KiB of scratch at batch 1,
@@ -80,9 +80,20 @@ def enabled(option: bool | None = None) -> bool:
         >>> enabled(False)
         False
     """
+    return switch("MEMWRAP_WORKSPACE", option)
+
+
+def switch(variable: str, option: bool | None = None) -> bool:
+    """``option`` if given, else whether the environment leaves ``variable`` on (unset, or anything but 0, false, no,
+    off): how memwrap's caches and helpers are turned off (``MEMWRAP_WORKSPACE``, ``MEMWRAP_TRACE_CACHE``, ...).
+
+    Example:
+        >>> switch("MEMWRAP_SOMETHING_UNSET"), switch("MEMWRAP_SOMETHING_UNSET", False)
+        (True, False)
+    """
     if option is not None:
         return bool(option)
-    return os.environ.get("MEMWRAP_WORKSPACE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return os.environ.get(variable, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 @functools.cache
