@@ -512,20 +512,36 @@ def test_training_arguments_defaults_no_longer_block_them(tmp_path, name):
         assert torch.equal(a, b), pname
 
 
-def test_the_planner_still_leaves_them_out_with_clipping_and_says_why():
-    """wrap() runs the norm pass for them; the planner's trace does not (it runs a stand-in optimizer stepping after
-    backward), so with max_grad_norm they are skipped with that reason rather than planned without the second
-    backward."""
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_the_planner_plans_them_with_clipping_as_wrap_runs_them(clip):
+    """Their trace's stand-in steps inside backward (and runs the norm pass with clipping), as wrap() runs them: the
+    plan's LOMO candidate is the estimate of LOMO, which the real CPU step measures to the bytes, and its options
+    are wrap()'s (no step_in_backward, which wrap() refuses with LOMO)."""
     pytest.importorskip("lomo_optim")
     from memwrap.memory import plan
+    from memwrap.memory.measure import measure_peak
     from memwrap.models import build_preset, preset_batch
 
-    result = plan(lambda: build_preset("gpt2-tiny"), lambda mb: preset_batch("gpt2-tiny", mb, 16), budget="1GiB",
-                  global_batch=2, micro_batches=(2,), precisions=("fp32",), checkpoints=(None,),
-                  optimizers=("lomo", "adamw"), max_grad_norm=1.0, margin=(0.0, 0))
-    skipped = [why for label, why in result.skipped if "lomo" in label]
-    assert skipped and all("norm pass for max_grad_norm" in why and "does not trace" in why for why in skipped)
-    assert {c.optim for c in result.candidates} == {"adamw"}
+    batch = lambda mb: preset_batch("gpt2-tiny", mb, 32)  # noqa: E731
+    kw = {} if clip is None else {"max_grad_norm": clip}
+    result = plan(lambda: build_preset("gpt2-tiny"), batch, budget="1GiB", global_batch=2, micro_batches=(2,),
+                  precisions=("fp32",), checkpoints=(None,), optimizers=("lomo", "adamw"), margin=(0.0, 0),
+                  step_in_backward=(False,), chunked_loss=(False,), **kw)
+    (lomo,) = [c for c in result.candidates if c.optim == "lomo"]
+    assert "step_in_backward" not in lomo.options and lomo.options.get("max_grad_norm") == clip
+    direct = memwrap.estimate(lambda: build_preset("gpt2-tiny"), batch(2), optimizer="lomo", **kw)
+    assert lomo.estimate.peak == direct.peak
+    measured = measure_peak(lambda: build_preset("gpt2-tiny"), batch(2), optimizer="lomo", **kw)["peak"]
+    assert abs(direct.peak - measured) <= 0.01 * measured, (direct.peak, measured)
+    assert lomo.options["optim"] == "lomo"
+    model = build_preset("gpt2-tiny")  # the options as pasted, with the LOMO the user built
+    options = {k: v for k, v in lomo.options.items() if k != "optim"}
+    wmodel, wopt = memwrap.wrap(model, memwrap.create_optimizer("lomo", model, lr=1e-3), **options)
+    ids, _ = batch(2)
+    before = [p.detach().clone() for p in model.parameters()]
+    wmodel(ids).float().pow(2).mean().backward()
+    wopt.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()) if b.requires_grad)
 
 
 def test_the_optimizer_alone_is_refused_with_clipping():

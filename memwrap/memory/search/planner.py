@@ -488,7 +488,9 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
     # (tf32 = fp32, fp16 = bf16) share its trace (memwrap.memory.search.techniques.traced_as).
     groups: dict[tuple, list[dict]] = {}
     for s in specs:
-        key = (s["micro_batch"], traced_as(s["precision"]), repr(s["checkpoint"]), s["step_in_backward"],
+        # An optimizer that updates inside backward (LOMO) is traced as a stand-in stepping there (in_backward_options).
+        in_backward = s["step_in_backward"] or get_optimizer_spec(s["optim"]).updates_in_backward
+        key = (s["micro_batch"], traced_as(s["precision"]), repr(s["checkpoint"]), in_backward,
                repr(s["chunked_loss"]), s["compensation"])
         groups.setdefault(key, []).append(s)
     traces: dict[tuple, Any] = cache["traces"]
@@ -529,6 +531,8 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
         if max_grad_norm is not None:
             options["max_grad_norm"] = max_grad_norm
         options.update(trace_options(first))
+        if key[3]:
+            options["step_in_backward"] = True
         options["keep_outputs"] = keep_outputs  # the loop's shape (not a wrap() option; finish() sets it apart)
         # The user's optimizer (a built-in, usually) is traced first: a plugin's failure then only skips its own rows.
         fake_runnable = sorted((m["optim"] for m in members if get_optimizer_spec(m["optim"]).runs_on_fake),
@@ -576,7 +580,8 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
                         tr = trace_config(module, batch_fn, loss_fn, options, m["optim"], world_size=ranks,
                                           strategy=strategy_)
                         traces[(key, m["optim"])] = tr
-                est = finish(tr, {**options, "precision": m["precision"], "optim": m["optim"]}, m["optim"])
+                est = finish(tr, _wrap_options(m, {**options, "precision": m["precision"], "optim": m["optim"]}),
+                             m["optim"])
                 if m["precision"] != key[1]:
                     est.method += f"; memory traced as {key[1]} (the {m['precision']} plugin's memory_like)"
                 known.setdefault(m["optim"], (state_floor(est), f"{mb}x{per_rank // mb} {m['precision']} "
@@ -603,6 +608,14 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
                 global_batch, margin_, time.perf_counter() - start, skipped, keep,
                 _keep_note(keep, specs, results, floors), keep_precision, device=profile,
                 dominators=list(used.values()))
+
+
+def _wrap_options(spec: dict, options: dict) -> dict:
+    """``options`` as wrap() takes them for ``spec``: without the ``step_in_backward=True`` an optimizer that updates
+    inside backward was traced with (memwrap.memory.tracing.estimator.in_backward_options; wrap() refuses it)."""
+    if not spec.get("step_in_backward") and options.get("step_in_backward"):
+        return {k: v for k, v in options.items() if k != "step_in_backward"}
+    return options
 
 
 def _settings(spec: dict) -> tuple:
@@ -691,7 +704,7 @@ def _candidate(spec: dict, options: dict, est: Estimate, margin: Margin, budget:
                        paged_spill=max(0, est.paged_state - max(0, budget - est.peak - margin.of(est.peak))),
                        host_state=est.host_state, device=profile)
     extra = margin.of(est.peak)
-    others = {k: v for k, v in options.items()
+    others = {k: v for k, v in _wrap_options(spec, options).items()
               if k not in ("precision", "accumulate", "checkpoint", "optim", *TRACE_ONLY_OPTIONS)}
     return Candidate(spec["micro_batch"], options["accumulate"], spec["precision"], spec["checkpoint"],
                      spec["optim"], est, extra, est.peak + extra <= budget, sum(terms.values()), terms,

@@ -15,7 +15,6 @@ import torch
 from memwrap.checkpointing.policies import plugin_policies
 from memwrap.config.options import parse_options
 from memwrap.plugin.registry import get_optimizer_spec, optimizers
-from memwrap.precision.base import get_precision
 
 __all__ = ["DEFAULT_PRECISIONS", "DEFAULT_CHECKPOINTS", "default_optimizers", "default_checkpoints", "AsBuilt"]
 
@@ -192,11 +191,10 @@ def _checkpoint_spec(value: Any) -> Any:
 
 def _updates_in_backward_refusals(specs: list[dict], per_rank: int, max_grad_norm: float | None,
                                   ranks: int = 1) -> tuple[list[dict], list[tuple[str, str]]]:
-    """Drop optimizers that update inside backward (LOMO, layer-wise GaLore) where wrap() refuses them (accumulation,
-    several ranks) and, with ``max_grad_norm`` or fp16, where the plan could not count what wrap() does: wrap()
-    clips / loss-scales them with the norm pass (memwrap.techniques.updates_in_backward), but their trace runs a
-    stand-in optimizer that steps after backward, so the pass's second backward and the activations it keeps would
-    be missing from the estimate. Returned as ``(label, why)`` like the other skipped rows."""
+    """Drop optimizers that update inside backward (LOMO, layer-wise GaLore) where wrap() refuses them: with
+    accumulation or several ranks. With ``max_grad_norm`` or fp16 they are planned: their trace's stand-in steps
+    inside backward and runs the norm pass, as wrap() does for them (memwrap.techniques.updates_in_backward).
+    Returned as ``(label, why)`` like the other skipped rows."""
 
     keep, skipped = [], []
     for s in specs:
@@ -210,11 +208,6 @@ def _updates_in_backward_refusals(specs: list[dict], per_rank: int, max_grad_nor
         elif accumulate > 1:
             skipped.append((f"{s['micro_batch']} {s['precision']} {s['checkpoint'] or 'no-ckpt'} {s['optim']}",
                             f"{s['optim']} updates inside backward: no accumulation ({accumulate})"))
-        elif max_grad_norm is not None or get_precision(s["precision"]).uses_scaler:
-            what = "max_grad_norm" if max_grad_norm is not None else s["precision"]
-            skipped.append((f"{s['micro_batch']} {s['precision']} {s['checkpoint'] or 'no-ckpt'} {s['optim']}",
-                            f"{s['optim']} updates inside backward: wrap() runs the norm pass for {what}, whose "
-                            "second backward the plan does not trace for it yet"))
         else:
             keep.append(s)
     return keep, skipped

@@ -43,7 +43,8 @@ from memwrap.plugin.registry import create_optimizer, get_optimizer_spec
 from memwrap.plugin.state_size import predict_state_bytes
 from memwrap.precision.base import get_precision
 
-__all__ = ["Estimate", "estimate", "Trace", "trace_config", "derive", "resolve_model", "resolve_batch"]
+__all__ = ["Estimate", "estimate", "Trace", "trace_config", "derive", "resolve_model", "resolve_batch",
+           "in_backward_options"]
 
 PHASES = ("forward", "backward", "optimizer")
 # FSDP2 prefetches the next block's all-gather in forward and backward, except at the ends of the stack:
@@ -241,6 +242,22 @@ def _trace_config(model, make_batch, loss_fn, options, optimizer, extrapolate, s
     return Trace(segments, tr.state_bytes, tr.flops, tr.ops, _collapse(tr.top_modules, stack), tr.micro_batches,
                  optimizer, "full trace", time.perf_counter() - start, stack=stack.name if stack else None,
                  workspace=tr.workspace)
+
+
+def in_backward_options(options: dict[str, Any], optimizer: Any) -> dict[str, Any]:
+    """The options to trace ``optimizer`` with: for one that updates each parameter inside backward (LOMO, AdaLomo,
+    layer-wise GaLore/APOLLO; their spec's ``updates_in_backward``), ``step_in_backward=True``, so that the stand-in
+    optimizer traced for it steps each parameter as its gradient completes and frees the gradient, as they do (and,
+    with ``max_grad_norm`` or fp16, runs the norm pass their ``wrap()`` runs); ``options`` otherwise. Only the trace
+    sees it: wrap() refuses ``step_in_backward=True`` with them.
+
+    Example:
+        >>> in_backward_options({"precision": "fp32"}, "lomo")["step_in_backward"], in_backward_options({}, "adamw")
+        (True, {})
+    """
+    if optimizer is None or not get_optimizer_spec(str(optimizer)).updates_in_backward:
+        return options
+    return {**options, "step_in_backward": True}
 
 
 def _shift(seg: Segment, delta: int) -> Segment:
@@ -529,7 +546,7 @@ def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn:
     traced = opt_name if get_optimizer_spec(opt_name).runs_on_fake else None
     # The loop's shape and the workspace switch travel with the traced options (not wrap() options).
     options = {**wrap_options, "keep_outputs": keep_outputs, "workspace": workspace}
-    trace = trace_config(module, make_batch, loss_fn, options, traced, extrapolate=extrapolate,
-                         world_size=world_size, strategy=strategy)
+    trace = trace_config(module, make_batch, loss_fn, in_backward_options(options, opt_name), traced,
+                         extrapolate=extrapolate, world_size=world_size, strategy=strategy)
     trace = derive(trace, opt_name, module, workspace=workspace)
     return finish(trace, options, opt_name)
