@@ -124,6 +124,23 @@ def check_hf_optimizers_cuda(s: Setup) -> dict:
     return {"names": names, "pytest_exit": int(code)}
 
 
+def check_norm_pass_cuda(s: Setup) -> dict:
+    """The norm pass's CUDA-only tests (issue 21): AdaLomo clipped inside backward against lomo-optim's own two-pass
+    clipping, and the step in backward's CUDA rows, on the GPU."""
+    import importlib.util
+
+    missing = [m for m in ("pytest", "lomo_optim") if importlib.util.find_spec(m) is None]
+    if missing or s.dry:
+        return {"status": "skipped", "reason": f"not installed: {missing}" if missing else "needs CUDA (dry run)"}
+    import pytest
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "tests"
+    code = pytest.main(["-q", "-p", "no:cacheprovider", str(root / "test_norm_pass_in_backward.py"),
+                        str(root / "test_step_in_backward.py"), "-k", "cuda"])
+    expect(code == 0, f"the norm pass's CUDA tests exited {code}")
+    return {"pytest_exit": int(code)}
+
+
 def check_offload(s: Setup) -> dict:
     x, y = s.batches(1, s.batch)[0]
     res, grads = {}, {}
@@ -332,6 +349,7 @@ CHECKS: dict[str, tuple[Callable[[Setup], dict], bool]] = {  # name -> (function
     "tf32": (check_tf32, True),
     "bnb_8bit": (check_bnb_8bit, True),
     "hf_optimizers_cuda": (check_hf_optimizers_cuda, True),
+    "norm_pass_cuda": (check_norm_pass_cuda, True),
     "offload_checkpointing": (check_offload, True),
     "planner_vs_cuda": (check_planner_vs_cuda, True),
     "wrapped_vs_handwritten": (check_wrapped_vs_handwritten, True),
