@@ -193,17 +193,6 @@ def check_planner_vs_cuda(s: Setup) -> dict:
         ratio = got["peak"] / est.peak
         rows.append({"model": name, "options": opts, "predicted": est.peak, "measured": got["peak"], "ratio": ratio,
                      "reserved": got.get("reserved"), "method": got["method"]})
-        if s.dry and opts.get("optim") == "adamw_8bit":
-            # bitsandbytes' CPU fallback dequantizes each parameter's state into fp32 temporaries inside its step
-            # (measured: 12 B per element of the largest parameter with 32-bit state, 20 B with 8-bit state). The
-            # estimate adds the step's temporaries measured on one flat parameter of the largest size
-            # (memwrap/memory/tracing/workspace.py), which has 8-bit state; gpt2-tiny's largest parameter is its
-            # embedding, which the adamw_8bit plugin keeps in 32-bit state as Trainer does, so the term is 20 B where
-            # the step takes 12 B per element: over by about 11% here (open in issue 20, item 1). Reported, not
-            # counted, on the CPU only; on CUDA (fused kernels) the row counts.
-            rows[-1]["known_gap"] = ("CPU fallback step temporaries of bitsandbytes measured with 8-bit state; the "
-                                     "embedding's 32-bit state override is not modelled (issue 20 item 1)")
-            continue
         if abs(ratio - 1) > tolerance:
             bad.append((name, opts, round(ratio, 3)))
     out: dict[str, Any] = {"rows": rows, "target": tolerance,

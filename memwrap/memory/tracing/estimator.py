@@ -307,14 +307,19 @@ def derive(trace: Trace, optimizer: str, model: nn.Module, *, force: bool = Fals
 
 
 def _step_temporary(trace: Trace, name: str, model: nn.Module, workspace: bool | None) -> tuple[int, dict]:
-    """Measured step temporaries of optimizer ``name`` for the model's largest trainable parameter, and the report
-    row; (0, {}) when turned off, for a sharded trace, or for a model that lives on another device than the fake CPU
-    trace (its kernels would differ)."""
+    """Measured step temporaries of optimizer ``name`` for the model's largest trainable parameter of each role (an
+    ``nn.Embedding``'s weight, which bitsandbytes steps with 32-bit state, or any other), the largest of them, and the
+    report rows; (0, {}) when turned off, for a sharded trace, or for a model that lives on another device than the
+    fake CPU trace (its kernels would differ)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not workspace_enabled(workspace) or not params or trace.strategy is not None \
             or params[0].device.type not in ("cpu", "meta"):
         return 0, {}
-    largest = max(p.numel() for p in params)
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    largest: dict[str, int] = {}
+    for p in params:
+        role = "embedding" if id(p) in embeddings else "plain"
+        largest[role] = max(largest.get(role, 0), p.numel())
 
     def build(m: nn.Module):
         try:
@@ -322,15 +327,20 @@ def _step_temporary(trace: Trace, name: str, model: nn.Module, workspace: bool |
         except TypeError:  # a factory that needs a learning rate (optimi's StableAdamW): any, the step's size is the same
             return create_optimizer(name, m.parameters(), model=m, lr=1e-3)
 
-    try:
-        got = Workspace(torch.device("cpu")).step_temporary(name, build, largest, trace.param_dtype or params[0].dtype)
-    except Exception as exc:  # noqa: BLE001 the optimizer cannot step a lone CPU tensor: no term, and the report says so
-        row = {"bytes": 0, "calls": 0, "kept": 0, "kind": f"not measured ({type(exc).__name__}: {str(exc)[:120]})"}
-        return 0, {f"optimizer step ({name})": row}
-    if got is None:
-        return 0, {}
-    step, fit = got
-    return step, {fit["op"]: {"bytes": step, "calls": 1, "kept": 0, "kind": fit["kind"]}}
+    step, rows = 0, {}
+    for role, numel in sorted(largest.items()):
+        try:
+            got = Workspace(torch.device("cpu")).step_temporary(name, build, numel,
+                                                                trace.param_dtype or params[0].dtype, role)
+        except Exception as exc:  # noqa: BLE001 the optimizer cannot step a lone CPU tensor: no term, the report says so
+            rows[f"optimizer step ({name})"] = {"bytes": 0, "calls": 0, "kept": 0,
+                                               "kind": f"not measured ({type(exc).__name__}: {str(exc)[:120]})"}
+            continue
+        if got is not None:
+            n, fit = got
+            step = max(step, n)  # one tensor at a time: the step's peak is its largest tensor's temporaries
+            rows[fit["op"]] = {"bytes": n, "calls": 1, "kept": 0, "kind": fit["kind"]}
+    return step, rows
 
 
 # ----------------------------------------------------------------------------- the result

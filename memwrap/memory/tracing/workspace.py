@@ -403,7 +403,7 @@ class Workspace:
         return call
 
     def step_temporary(self, name: str, make: Callable[[torch.nn.Module], Any], numel: int,
-                       dtype: torch.dtype) -> tuple[int, dict] | None:
+                       dtype: torch.dtype, role: str = "plain") -> tuple[int, dict] | None:
         """The transient bytes of an optimizer step (``name``, built by ``make(module)``) over a parameter of ``numel``
         elements, and its fit; None when ``numel`` is 0.
 
@@ -420,7 +420,10 @@ class Workspace:
         """
         if numel <= 0:
             return None
-        key = json.dumps(["optimizer step", name, str(dtype), _flags(self.device)], separators=(",", ":"))
+        # role "embedding": the parameter is an nn.Embedding's weight, which optimizers may step otherwise
+        # (bitsandbytes keeps its state in 32 bits); probed as one.
+        key = json.dumps(["optimizer step", name, str(dtype), _flags(self.device)] + ([role] if role != "plain" else []),
+                         separators=(",", ":"))
         fits = self._load()
         fit = fits.get(key)
         if isinstance(fit, dict) and "error" in fit and fit.get("installed") == installed_digest():
@@ -435,8 +438,9 @@ class Workspace:
                 warnings.simplefilter("ignore")
                 try:
                     for n in STEP_SIZES:
-                        module = torch.nn.Module()
-                        module.weight = torch.nn.Parameter(torch.randn(n, dtype=dtype, device=self.device))
+                        module = torch.nn.Embedding(n, 1) if role == "embedding" else torch.nn.Module()
+                        module.weight = torch.nn.Parameter(torch.randn(n, *((1,) if role == "embedding" else ()),
+                                                                       dtype=dtype, device=self.device))
                         opt = make(module)
                         module.weight.grad = torch.randn_like(module.weight)
                         opt.step()  # creates the state: not measured (the estimate's steady state)
@@ -454,7 +458,8 @@ class Workspace:
             if kind == "bound":  # the steepest measured slope through the highest point (an upper bound beyond it)
                 b = max(b, (points[held_n] - points[n2]) / (held_n - n2), 0.0)
                 a = max(points[q] - b * q for q in STEP_SIZES)
-            fit = {"op": f"optimizer step ({name})", "scratch": [a, b], "kind": kind,
+            fit = {"op": f"optimizer step ({name}{', embedding' if role == 'embedding' else ''})", "scratch": [a, b],
+                   "kind": kind,
                    "probes": {str(n): points[n] for n in points}, "held_out": {"size": held_n, "measured": points[held_n],
                    "predicted": round(a + b * held_n)}, "seconds": round(time.perf_counter() - start, 4)}
             fits[key] = fit
