@@ -382,7 +382,10 @@ def drive_step(tracker: SegmentMixin, fmodel: nn.Module, wmodel: nn.Module, wopt
     held_bytes = 0
     try:
         with tracker, _explain_data_dependence():
-            for mb, batch in enumerate(batches):
+            for mb in range(len(batches)):
+                # The loop's name now holds this micro-batch: the previous one is freed (a loader's loop keeps one
+                # micro-batch's inputs, not the window's; an image batch is not negligible next to a small model).
+                batch, batches[mb] = batches[mb], None
                 if mb:
                     tracker.reset_mod_stats()  # MemTracker refuses a second root call otherwise
                 tracker.mb, tracker.fw_pos, tracker.bw_pos, tracker.stage = mb, "pre", "pre", "forward"
