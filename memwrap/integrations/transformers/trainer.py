@@ -315,6 +315,15 @@ def _optimizer_kwargs(model: nn.Module, args: Any, optim: str | None, checkpoint
     if not ok:  # fail before Trainer's setup, not at its first step
         raise OptimizerUnavailableError(f"optimizer {spec.name!r} is not available: {hint}")
     hyperparameters = {**trainer_hyperparameters(args, name), **overrides}
+    clip = getattr(args, "max_grad_norm", None)
+    if spec.updates_in_backward and clip:
+        # Never silently: Trainer clips after its backward, by when these optimizers have updated every parameter
+        # and freed its gradient (Trainer's own LOMO and GaLore layer-wise clip nothing either).
+        warnings.warn(
+            f"optimizer {spec.name!r} updates each parameter inside backward, and Trainer clips after backward: "
+            f"max_grad_norm={clip} clips nothing in a Trainer run. Fix: set max_grad_norm=0 in TrainingArguments to "
+            "say so, or train in your own loop with memwrap.wrap(model, optimizer, max_grad_norm=...) (memwrap's norm "
+            "pass clips these optimizers exactly, inside one loss.backward()).", UserWarning, stacklevel=3)
     if spec.needs_model:
         # Trainer hands a "model" keyword to the optimizer in place of its param groups, as for its own GaLore/LOMO.
         hyperparameters["model"] = model
