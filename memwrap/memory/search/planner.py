@@ -504,6 +504,7 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
     floors: dict[tuple, dict[str, tuple[int, str]]] = cache["floors"]
     # Within a micro-batch, the groups without checkpointing first: a fitting one outruns its checkpointed variants.
     dominators: dict[tuple, Candidate] = {}
+    used: dict[int, Candidate] = {}  # the dominators some candidate was left out for (with_budget() checks them)
     for key, members in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2] != "None")):
         fam, mb = family(key, per_rank), key[0]
         known = floors.setdefault(fam, {})
@@ -520,6 +521,7 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
                          f"not traced: it cannot outrun {d.label}, which fits (the same step with checkpointing only "
                          f"adds recompute and transfers; plan(exhaustive=True) / --exhaustive traces it)")
                         for m, d in slower]
+            used.update((id(d), d) for _, d in slower)
             members = [m for m in members if _settings(m) not in dominators]
         if not members:
             done += 1
@@ -602,8 +604,6 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
             progress(done, total, f"traced {done}/{total}")
     if not results:
         raise ValueError(f"no candidate could be traced: {skipped[0][1] if skipped else 'empty grid'}")
-    used = {id(d): d for d in dominators.values()
-            if any(why.startswith(f"not traced: it cannot outrun {d.label},") for _, why in skipped)}
     return Plan(rank(results, budget_bytes, margin_, keep_optim=keep, keep_precision=keep_precision), budget_bytes,
                 global_batch, margin_, time.perf_counter() - start, skipped, keep,
                 _keep_note(keep, specs, results, floors), keep_precision, device=profile,

@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_flatten
 
 from memwrap.memory.tracing.workspace import cache_dir, enabled as workspace_enabled, installed_digest, switch
 
-__all__ = ["cached", "remember", "trace_key", "enabled", "folder", "stats", "session", "within_session", "Uncacheable"]
+__all__ = ["cached", "remember", "trace_key", "enabled", "folder", "stats", "session", "Uncacheable"]
 
 FORMAT = 1  # bump when the stored layout of a trace changes
 MAX_ENTRIES = 5000  # beyond this, the oldest entries are removed when one is added
@@ -96,21 +96,6 @@ def session():
         yield
     finally:
         _session = outer
-
-
-def within_session(fn: Callable) -> Callable:
-    """``fn`` run inside :func:`session` (a decorator for the planner's entry points).
-
-    Example:
-        >>> within_session(lambda: 1)()
-        1
-    """
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        with session():
-            return fn(*args, **kwargs)
-
-    return run
 
 
 def stats() -> dict[str, int]:
