@@ -573,24 +573,4 @@ def test_a_loss_over_two_forward_calls_is_refused_and_memwrap_backward_is_exact(
         assert torch.equal(a, b), pname
 
 
-@pytest.mark.parametrize("name", ["lomo", "galore_adamw_layerwise"])
-def test_a_trainer_run_says_that_max_grad_norm_clips_nothing(tmp_path, name):
-    """Trainer clips after its backward, when these optimizers have freed every gradient: memwrap_trainer_kwargs
-    says so (a warning naming the fix) rather than let max_grad_norm be ignored silently; max_grad_norm=0 is quiet."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("galore_torch" if name.startswith("galore") else "lomo_optim")
-    import warnings as _w
-
-    from memwrap.integrations.transformers.trainer import memwrap_trainer_kwargs
-    from tests.hf_helpers import hf_args
-
-    extra = {} if name == "lomo" else dict(optim_target_modules="all-linear", optim_args="rank=4,update_proj_gap=2")
-    for clip, warns in ((1.0, True), (0.0, False)):
-        args = hf_args(tmp_path, optim=name, gradient_accumulation_steps=1, max_grad_norm=clip, **extra)
-        with _w.catch_warnings(record=True) as got:
-            _w.simplefilter("always")
-            memwrap_trainer_kwargs(base_model(), args, optim=name)  # memwrap builds it (not Trainer)
-        said = [str(w.message) for w in got if "clips nothing in a Trainer run" in str(w.message)]
-        assert bool(said) == warns, (clip, [str(w.message) for w in got])
-        if warns:
-            assert "max_grad_norm=0" in said[0] and "memwrap.wrap(model, optimizer, max_grad_norm=...)" in said[0]
+# Inside transformers.Trainer's own loop: tests/test_trainer_norm_pass.py.

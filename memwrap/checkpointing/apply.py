@@ -35,7 +35,7 @@ from memwrap.checkpointing.policies import (MODES, check_policy_name, find_block
 from memwrap.errors import closest_hint
 
 __all__ = ["CheckpointReport", "apply_checkpointing", "remove_checkpointing", "find_blocks",
-           "parse_checkpoint_option", "is_checkpointed", "checkpoint_target", "check_wrap"]
+           "parse_checkpoint_option", "is_checkpointed", "checkpoint_target", "check_wrap", "refuse_selective_norm_pass"]
 
 _ROOT_ATTR = "_memwrap_checkpoint_report"
 _MOD_ATTR = "_memwrap_checkpoint_hooks"
@@ -428,13 +428,24 @@ def _refuse_selective_norm_pass(call, mode: str | None) -> None:
     if opts.max_grad_norm is None and not call.precision.uses_scaler:
         return
     what = f"max_grad_norm={opts.max_grad_norm}" if opts.max_grad_norm is not None else f"precision={opts.precision!r}"
-    sib = getattr(opts, "step_in_backward", False)
-    how = "step_in_backward=True" if sib else "an optimizer that updates inside backward"
+    refuse_selective_norm_pass(mode, what, getattr(opts, "step_in_backward", False))
+
+
+def refuse_selective_norm_pass(mode: str | None, what: str, step_in_backward: bool = False) -> None:
+    """Refuse torch's selective checkpointing (``mode``) where the norm pass runs for ``what`` (the clipping or fp16
+    option): it backpropagates the last micro-batch twice, and selective checkpointing allows one backward per region.
+
+    Example:
+        >>> refuse_selective_norm_pass("full", "max_grad_norm=1.0")  # recomputed in both passes: allowed
+    """
+    if mode != "selective":
+        return
+    how = "step_in_backward=True" if step_in_backward else "an optimizer that updates inside backward"
     raise ValueError(
         f"checkpoint mode 'selective' with {how} and {what}: the norm pass backpropagates the "
         "window's last micro-batch twice (once for the global norm, once to step), and torch's selective "
         "checkpoint allows only one backward per checkpointed region. Fix: checkpoint='full' (recomputed in both "
-        f"passes), or drop {'step_in_backward' if sib else 'that optimizer'} (or the clipping / fp16).")
+        f"passes), or drop {'step_in_backward' if step_in_backward else 'that optimizer'} (or the clipping / fp16).")
 
 
 def _refuse_compiled(model: nn.Module) -> None:

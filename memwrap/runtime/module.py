@@ -137,6 +137,19 @@ class WrappedModule(nn.Module):
                 outputs = self.module(*args, **kwargs)
             else:  # a labelled call: the model's body, then its head and loss chunk by chunk
                 outputs = self._loss_head(self.module, args, kwargs)
+        return self.finish_outputs(outputs)
+
+    def finish_outputs(self, outputs: Any) -> Any:
+        """What ``forward`` does with the inner module's outputs: hooked aliases (micro-batch weight, loss scale, the
+        norm pass's start), the loss recorded for ``window_loss``.
+
+        Also the body of a forward hook on the plain model where another loop calls the model itself
+        (:mod:`memwrap.integrations.transformers.norm_pass`: Trainer with an optimizer that updates inside backward).
+
+        Example:
+            >>> outputs = wrapped.finish_outputs(wrapped.module(x))  # what wrapped(x) returns  # doctest: +SKIP
+        """
+        training = torch.is_grad_enabled()
         outputs, opaque = self._finish(outputs, training)
         if training and self._loss_log is not None:
             self._loss_log.record_outputs(outputs)
@@ -225,7 +238,8 @@ class WrappedModule(nn.Module):
         weighs = factor is not None or (training and self._gate.accumulate > 1)  # not only watching (step_in_backward)
         return outputs, bool(weighs and not found and outputs is not None)
 
-    # The warnings are raised from forward() itself, so that stacklevel=5 points at the user's model(...) call.
+    # Raised from forward() (finish_outputs() for the opaque one, a frame deeper), so that the stacklevel points at the
+    # user's model(...) call.
     def _warn_opaque(self, outputs: Any) -> None:
         if self._opaque_warned:
             return
@@ -236,7 +250,7 @@ class WrappedModule(nn.Module):
             "into tensors, tuples, lists, dicts, namedtuples and dataclasses. Fix: return one of those, or call "
             "memwrap.backward(loss, model) instead of loss.backward(); if this forward is not trained, run it "
             "under torch.no_grad().",
-            stacklevel=5,
+            stacklevel=6,
         )
 
     def _warn_grad_input(self, shape: tuple) -> None:

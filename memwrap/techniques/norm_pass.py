@@ -52,7 +52,18 @@ from torch.utils._foreach_utils import _has_foreach_support
 
 from memwrap.runtime.optimizer import _no_values
 
-__all__ = ["NormPass", "ParamHook", "needs_norm_pass"]
+__all__ = ["NormPass", "ParamHook", "missing_engine_queries", "needs_norm_pass"]
+
+
+def missing_engine_queries() -> list[str]:
+    """The private autograd-engine queries the norm pass needs (which pass is running, which outputs this backward
+    reaches) that this torch lacks, named as under ``torch._C``; empty on the torch memwrap is tested on.
+
+    Example:
+        >>> missing_engine_queries()
+        []
+    """
+    return [name for name in ("_current_graph_task_id", "_will_engine_execute_node") if not hasattr(torch._C, name)]
 
 
 def needs_norm_pass(max_grad_norm: float | None, scaler: torch.amp.GradScaler) -> bool:

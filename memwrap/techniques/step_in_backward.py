@@ -69,7 +69,7 @@ import torch
 from torch import nn
 
 from memwrap.runtime.optimizer import _no_values, _total_norm
-from memwrap.techniques.norm_pass import NormPass, ParamHook as _Hook, needs_norm_pass
+from memwrap.techniques.norm_pass import NormPass, ParamHook as _Hook, missing_engine_queries, needs_norm_pass
 from memwrap.techniques.updates_in_backward import supports_norm_pass
 from memwrap.integrations.accelerate import accelerated_optimizer
 from memwrap.runtime.distributed import sync_control
@@ -96,7 +96,7 @@ def check_step_in_backward(model: nn.Module | None, optimizer: torch.optim.Optim
                          "optimizer (AdamW, SGD, ...).")
     # Clipping (max_grad_norm) and fp16 loss scaling are not refused: the norm pass (memwrap.techniques.norm_pass)
     # takes the window's global norm in a first pass over the last micro-batch's graph before anything steps.
-    missing = [name for name in ("_current_graph_task_id", "_will_engine_execute_node") if not hasattr(torch._C, name)]
+    missing = missing_engine_queries()
     if (opts.max_grad_norm is not None or precision.uses_scaler) and missing:
         # Private engine queries the norm pass needs (which outputs this backward reaches, which pass is running).
         raise ValueError(
@@ -177,7 +177,7 @@ def check_updates_in_backward(name: str | None, opts: Any, precision: Any, model
             "(and whether fp16 overflowed) is known only after every update. Fix: build it with "
             "memwrap.create_optimizer (lomo, adalomo, galore_*_layerwise, apollo_adamw_layerwise have it), or drop "
             f"{'max_grad_norm' if opts.max_grad_norm is not None else 'fp16'}.")
-    missing = [m for m in ("_current_graph_task_id", "_will_engine_execute_node") if not hasattr(torch._C, m)]
+    missing = missing_engine_queries()
     if missing:
         raise ValueError(
             f"optimizer {name} with {what}: updates made inside backward are clipped or loss-scaled by the norm pass, "

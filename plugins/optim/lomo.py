@@ -186,7 +186,10 @@ def _adalomo_class():
             _drive(self)
 
         def fused_backward(self, loss, lr):
-            self._counted, self.loss_scale = True, self._fused_scale
+            # With memwrap's norm pass driving the updates (accelerate calls this in a Trainer run with clipping), the
+            # loss stays unscaled: the first pass takes the norm of the true gradients, as clip_grad_norm_ would.
+            self._counted = True
+            self.loss_scale = None if self.updates_deferred else self._fused_scale
             try:
                 super().fused_backward(loss, lr)
             finally:

@@ -7,7 +7,10 @@ with DDP ``no_sync`` through accelerate), mixed precision (``fp16``/``bf16``), c
 * the optimizer, by any memwrap name or Hugging Face string (``"adamw_8bit"``, ``"adamw_bnb_8bit"``,
   a plugin's name), built on Trainer's own param groups (weight decay split), and
 * activation checkpointing with memwrap's policies (``"auto"``, ``"selective"``, ``"every-2"``,
-  ``"offload"``, class sets, callables), instead of ``gradient_checkpointing=True``.
+  ``"offload"``, class sets, callables), instead of ``gradient_checkpointing=True``, and
+* for optimizers that update inside backward (LOMO, layer-wise GaLore/APOLLO), whose gradients are gone when Trainer
+  clips, ``max_grad_norm`` applied exactly by memwrap's norm pass inside Trainer's backward
+  (:mod:`memwrap.integrations.transformers.norm_pass`).
 
 Without ``optim=``, ``args.optim`` is taken over only where memwrap builds the very optimizer Trainer
 would (same maths, same hyperparameters); for any other ``args.optim`` Trainer keeps its own.
@@ -34,6 +37,7 @@ from memwrap.config.training_args import plain_value
 from memwrap.checkpointing.apply import apply_checkpointing, current_report, parse_checkpoint_option
 from memwrap.config.options import options_from, parse_options
 from memwrap.integrations.transformers.budget import plan_trainer_split
+from memwrap.integrations.transformers.norm_pass import TrainerNormPass, check_trainer_updates_in_backward
 from memwrap.plugin.registry import (ConversionWarning, OptimizerUnavailableError, UnknownOptimizerError,
                                      create_optimizer, get_optimizer_spec)
 from memwrap.runtime.distributed import check_sharded_optimizer
@@ -54,13 +58,18 @@ _TRAINER_MEANING = {
                                      "an absolute step size"),
 }
 
-def memwrap_optimizer_class(optim: str, model: nn.Module | None = None) -> type[torch.optim.Optimizer]:
+def memwrap_optimizer_class(optim: str, model: nn.Module | None = None,
+                            max_grad_norm: float | None = None) -> type[torch.optim.Optimizer]:
     """A stand-in optimizer class that builds memwrap's optimizer ``optim`` when called.
 
     Trainer calls ``optimizer_cls(param_groups, **kwargs)``; ``__new__`` returns the optimizer from
     :func:`memwrap.create_optimizer` (a real bitsandbytes/torch optimizer, not an instance of the
     stand-in), so Trainer keeps its weight-decay grouping and DTensor mesh splitting. A plain
     function would not do: Trainer treats non-class callables as zero-argument factory factories.
+
+    ``max_grad_norm`` (with an optimizer that updates inside backward, and ``model``): the optimizer comes with
+    memwrap's norm pass attached (:mod:`memwrap.integrations.transformers.norm_pass`, kept as
+    ``optimizer.memwrap_norm_pass``), so Trainer's run is clipped exactly; :func:`memwrap_trainer_kwargs` passes it.
 
     Example:
         >>> cls = memwrap_optimizer_class("adamw")
@@ -69,6 +78,10 @@ def memwrap_optimizer_class(optim: str, model: nn.Module | None = None) -> type[
     """
 
     spec = get_optimizer_spec(optim)  # unknown names fail now, listing the valid ones
+    if max_grad_norm is not None and not (spec.updates_in_backward and model is not None):
+        raise ValueError(f"memwrap_optimizer_class({optim!r}, max_grad_norm={max_grad_norm}): the norm pass is for "
+                         "optimizers that update inside backward, over a model; Trainer clips any other one itself. "
+                         "Fix: drop max_grad_norm (Trainer's own max_grad_norm applies), or pass the model.")
 
     class MemwrapOptimizer(torch.optim.Optimizer):
         __doc__ = f"Builds memwrap optimizer {spec.name!r} (see memwrap_optimizer_class)."
@@ -76,6 +89,10 @@ def memwrap_optimizer_class(optim: str, model: nn.Module | None = None) -> type[
         def __new__(cls, params: Any, **hyperparameters: Any) -> torch.optim.Optimizer:
             optimizer = create_optimizer(spec.name, params, model=model, **hyperparameters)
             check_sharded_optimizer(optimizer)  # FSDP in Trainer: clear error instead of a kernel failure
+            if max_grad_norm is not None:
+                # Trainer clips after backward, when these optimizers have freed every gradient: memwrap clips
+                # inside it. Kept on the optimizer, which Trainer holds for the run.
+                optimizer.memwrap_norm_pass = TrainerNormPass(model, optimizer, max_grad_norm)
             return optimizer
 
     MemwrapOptimizer.__qualname__ = MemwrapOptimizer.__name__ = f"MemwrapOptimizer[{spec.name}]"
@@ -315,19 +332,15 @@ def _optimizer_kwargs(model: nn.Module, args: Any, optim: str | None, checkpoint
     if not ok:  # fail before Trainer's setup, not at its first step
         raise OptimizerUnavailableError(f"optimizer {spec.name!r} is not available: {hint}")
     hyperparameters = {**trainer_hyperparameters(args, name), **overrides}
-    clip = getattr(args, "max_grad_norm", None)
-    if spec.updates_in_backward and clip:
-        # Never silently: Trainer clips after its backward, by when these optimizers have updated every parameter
-        # and freed its gradient (Trainer's own LOMO and GaLore layer-wise clip nothing either).
-        warnings.warn(
-            f"optimizer {spec.name!r} updates each parameter inside backward, and Trainer clips after backward: "
-            f"max_grad_norm={clip} clips nothing in a Trainer run. Fix: set max_grad_norm=0 in TrainingArguments to "
-            "say so, or train in your own loop with memwrap.wrap(model, optimizer, max_grad_norm=...) (memwrap's norm "
-            "pass clips these optimizers exactly, inside one loss.backward()).", UserWarning, stacklevel=3)
+    clip = None
+    if spec.updates_in_backward:
+        # Trainer clips after its backward, by when these optimizers have updated every parameter and freed its
+        # gradient (Trainer's own LOMO and layer-wise GaLore clip nothing): memwrap's norm pass clips inside it.
+        clip = check_trainer_updates_in_backward(model, args, spec.name, checkpoint)
     if spec.needs_model:
         # Trainer hands a "model" keyword to the optimizer in place of its param groups, as for its own GaLore/LOMO.
         hyperparameters["model"] = model
-    return {"optimizer_cls_and_kwargs": (memwrap_optimizer_class(spec.name, model), hyperparameters)}
+    return {"optimizer_cls_and_kwargs": (memwrap_optimizer_class(spec.name, model, clip), hyperparameters)}
 
 
 def _check_model(model: Any) -> None:
