@@ -185,7 +185,9 @@ def families() -> dict[str, tuple]:
     }
 
 
-def cell(name: str, family: tuple, config: str) -> dict:
+def cell(name: str, family: tuple, config: str, device: str | torch.device | None = None) -> dict:
+    """One cell: the estimate (fake trace) next to the measured peak of real steps on ``device`` (default CPU;
+    benchmarks/gpu_check.py's ``zoo_cuda`` row measures on CUDA, where cuDNN's workspaces are what the trace misses)."""
     kind, factory, batch, causal = family
     options = dict(CONFIGS[config])
     row = {"family": name, "kind": kind, "config": config, "options": {k: str(v) for k, v in options.items()}}
@@ -200,7 +202,7 @@ def cell(name: str, family: tuple, config: str) -> dict:
     except Exception as exc:  # noqa: BLE001 - a cell records why it could not be estimated
         return {**row, "status": "not estimated", "why": f"{type(exc).__name__}: {str(exc)[:300]}"}
     try:
-        got = measure_peak(factory, batch(), **options)["peak"]
+        got = measure_peak(factory, batch(), device=device, **options)["peak"]
     except Exception as exc:  # noqa: BLE001 - a cell records why it could not run
         return {**row, "status": "not run", "predicted": est.peak, "why": f"{type(exc).__name__}: {str(exc)[:300]}"}
     return {**row, "status": "ok", "predicted": est.peak, "measured": got, "error": (est.peak - got) / got,

@@ -102,6 +102,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert planner["target"] == 0.10 and {r["model"] for r in planner["rows"]} == {"gpt2-tiny", "resnet50"}
     for row in planner["rows"]:  # 8-bit AdamW too: its CPU step temporaries are probed per parameter role
         assert "known_gap" not in row and abs(row["ratio"] - 1) <= 0.10, row
+    zoo = doc["checks"]["zoo_cuda"]  # the zoo's cells, measured on the check's device (CPU in the dry run)
+    assert zoo["measured"] == zoo["cells"] == 2 and all(abs(r["error"]) <= 0.05 for r in zoo["rows"]), zoo
     assert doc["suggested_margin"] is None  # it needs CUDA's reserved bytes
     # The figures seed_claims.py reads from a GPU run exist under the names it reads.
     checks = doc["checks"]
