@@ -221,7 +221,7 @@ def check_planner_vs_cuda(s: Setup) -> dict:
         micro = (s.img_batch if image else s.batch) // opts.get("accumulate", 1)
         batch = preset_batch(name, micro, s.image if image else s.seq)
         loss_fn = None if image else lm_loss
-        est = memwrap.estimate(lambda: s.build(name), batch, loss_fn=loss_fn, **opts)
+        est = memwrap.estimate(lambda: s.build(name), batch, loss_fn=loss_fn, workspace=s.device.type, **opts)
         got = measure_peak(lambda: s.build(name), batch, loss_fn, steps=1, device=s.device, **opts)
         ratio = got["peak"] / est.peak
         rows.append({"model": name, "options": opts, "predicted": est.peak, "measured": got["peak"], "ratio": ratio,

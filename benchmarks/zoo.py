@@ -195,7 +195,9 @@ def cell(name: str, family: tuple, config: str, device: str | torch.device | Non
         return {**row, "status": "n/a", "why": "chunked loss applies to causal language models"}
     try:
         t0 = time.perf_counter()
-        est = memwrap.estimate(factory, batch(), **options)
+        # Workspaces measured where the cell runs (a GPU: cuDNN's convolutions), the trace itself on the CPU.
+        where = torch.device(device).type if device is not None else None
+        est = memwrap.estimate(factory, batch(), workspace=where, **options)
         t1 = time.perf_counter()
     except ValueError as exc:  # the option is refused for this model (wrap() would refuse it the same way)
         return {**row, "status": "refused", "why": f"{type(exc).__name__}: {str(exc)[:300]}"}

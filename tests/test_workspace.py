@@ -155,7 +155,7 @@ def test_turned_off_by_env_probes_nothing(monkeypatch):
 
 
 def test_bad_workspace_option_is_refused():
-    with pytest.raises(TypeError, match="workspace='yes'"):
+    with pytest.raises(TypeError, match="workspace=.yes.*or the device"):
         memwrap.estimate(ConvNet, conv_batch(), loss_fn=ce, workspace="yes")
 
 
@@ -194,3 +194,42 @@ def test_8bit_adamw_embedding_steps_with_its_32bit_state_temporaries():
     assert abs(est.peak / measured - 1) <= 0.01, (est.peak, measured)
     rows = est.workspace
     assert rows["optimizer step (adamw_8bit, embedding)"]["bytes"] > rows["optimizer step (adamw_8bit)"]["bytes"] > 0
+
+
+def test_where_the_workspaces_are_measured():
+    """The model's device (a factory: the traced CPU), a device named by workspace=, or nowhere."""
+    cpu = torch.device("cpu")
+    assert W.probe_device(None, "meta", cpu) == cpu and W.probe_device(True, "cpu", cpu) == cpu
+    assert W.probe_device("cpu", "meta", cpu) == cpu
+    assert W.probe_device(False, "cpu", cpu) is None and W.probe_device(False, "cuda", cpu) is None
+    if not torch.cuda.is_available():
+        assert W.probe_device(None, "cuda", cpu) is None  # a CUDA model's kernels cannot be run here
+        with pytest.raises(ValueError, match="no CUDA device.*Fix"):
+            W.probe_device("cuda", "meta", cpu)
+
+
+def test_on_cuda_only_the_convolutions_are_probed():
+    """The fake trace runs on the CPU: its oneDNN RNN ops are CPU kernels, which a CUDA model never runs (cuDNN's RNN
+    instead, not recorded), so a CUDA Workspace leaves them alone; convolutions are the same op on both."""
+    ws = W.Workspace(torch.device("cuda"))  # nothing runs until an op is met
+    aten = torch.ops.aten
+    assert ws.wrap(aten.mkldnn_rnn_layer.default, (), {}) is aten.mkldnn_rnn_layer.default
+    assert ws.wrap(aten.convolution.default, (), {}) is not aten.convolution.default
+    assert W.modelled_ops(torch.device("cpu")) > W.modelled_ops(torch.device("cuda"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_workspace_cuda_without_a_gpu_is_refused_before_tracing():
+    before = W.probe_count()
+    with pytest.raises(ValueError, match="workspace='cuda'.*no CUDA device.*Fix"):
+        memwrap.estimate(ConvNet, conv_batch(), loss_fn=ce, workspace="cuda")
+    assert W.probe_count() == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (benchmarks/gpu_check.py's zoo_cuda row)")
+def test_cudnn_convolution_workspaces_are_measured_on_the_gpu():
+    b = conv_batch()
+    est = memwrap.estimate(ConvNet, b, loss_fn=ce, workspace="cuda")
+    measured = measure_peak(ConvNet, b, ce, device="cuda")["peak"]
+    assert set(est.workspace) <= {"aten.convolution.default", "aten.convolution_backward.default"}
+    assert abs(est.peak / measured - 1) <= TOL, (est.peak, measured, est.workspace)

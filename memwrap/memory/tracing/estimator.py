@@ -37,7 +37,7 @@ from memwrap.memory.tracing.depth import extrapolation_depths
 from memwrap.memory.tracing.trace import TRACE_ONLY_OPTIONS, Segment, Stack, TraceResult, find_stack, run_trace
 from memwrap.memory.tracing import parallel
 from memwrap.memory.tracing.disk_cache import cached
-from memwrap.memory.tracing.workspace import Workspace, enabled as workspace_enabled
+from memwrap.memory.tracing.workspace import Workspace, enabled as workspace_enabled, probe_device
 from memwrap.config.options import parse_options
 from memwrap.plugin.registry import create_optimizer, get_optimizer_spec
 from memwrap.plugin.state_size import predict_state_bytes
@@ -519,7 +519,9 @@ def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn:
 
     ``workspace``: add kernel workspaces the fake trace cannot see (oneDNN convolution and RNN buffers), measured
     with small real calls on the device and cached on disk (:mod:`memwrap.memory.tracing.workspace`); None (the
-    default) follows ``MEMWRAP_WORKSPACE`` (on unless ``0``). The report lists each op that got a term.
+    default) follows ``MEMWRAP_WORKSPACE`` (on unless ``0``). The device is the model's (for a factory, the CPU);
+    a device name (``workspace="cuda"``) measures there instead, for a model built on the CPU and trained on a GPU
+    (cuDNN's convolution workspaces; a CUDA RNN's are not modelled). The report lists each op that got a term.
 
     ``world_size=N, strategy="fsdp2" | "ddp"``: the peak of one of ``N`` data-parallel ranks, each
     running ``batch`` as its micro-batch (the global batch is ``micro-batch x accumulate x N``).
@@ -542,9 +544,20 @@ def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn:
         raise TypeError(f"estimate(keep_outputs={keep_outputs!r}) must be True (the loop holds the model's outputs "
                         "through backward: outputs = model(**batch); outputs.loss.backward()) or False (loss = "
                         "model(**batch).loss, Trainer's compute_loss).")
-    if workspace is not None and not isinstance(workspace, bool):
-        raise TypeError(f"estimate(workspace={workspace!r}) must be True, False or None (None: on unless the "
-                        "environment sets MEMWRAP_WORKSPACE=0).")
+    if isinstance(workspace, torch.device):  # by name: the trace cache's key and the report read it as text
+        workspace = str(workspace)
+    if isinstance(workspace, str):
+        try:
+            kind = torch.device(workspace).type
+        except RuntimeError:  # not a device name ("yes")
+            kind = None
+        if kind not in ("cpu", "cuda"):
+            raise TypeError(f"estimate(workspace={workspace!r}) must be True, False, None (None: on unless the "
+                            "environment sets MEMWRAP_WORKSPACE=0) or the device to measure on, 'cpu' or 'cuda'.")
+        probe_device(workspace, "meta", torch.device("cpu"))  # no CUDA device here: refused now, naming the fix
+    elif workspace is not None and not isinstance(workspace, bool):
+        raise TypeError(f"estimate(workspace={workspace!r}) must be True, False, None (None: on unless the "
+                        "environment sets MEMWRAP_WORKSPACE=0) or the device to measure on, 'cpu' or 'cuda'.")
     wrap_options = parse_options(**wrap_options).to_kwargs()  # wrap()'s validation, canonical names
     opt_name = get_optimizer_spec(wrap_options.get("optim") or optimizer).name
     if strategy == "fsdp2":

@@ -33,7 +33,7 @@ from memwrap.precision.base import get_precision
 from memwrap.runtime.outputs import map_outputs
 import memwrap.memory.tracing.fake_kernels  # noqa: F401  fake kernels the trace needs (MoE grouped_mm in fp32)
 from memwrap.memory.tracing.grad_accumulation import InPlaceAccumulation
-from memwrap.memory.tracing.workspace import Workspace, enabled as workspace_enabled
+from memwrap.memory.tracing.workspace import Workspace, probe_device
 
 __all__ = ["CATEGORIES", "NOT_WRAP_OPTIONS", "TRACE_ONLY_OPTIONS", "Stack", "TraceResult", "find_stack", "fake_model", "output_bytes", "truncated", "run_trace", "split_batch", "default_loss"]  # noqa: the last two re-exported from batch.py
 
@@ -331,10 +331,11 @@ def run_trace(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Callable
             inner.zero_grad(set_to_none=True)
         wmodel, wopt = memwrap.wrap(fmodel, inner, **wrap_opts)
         tracker = _SegmentTracker(dev)
-        if workspace_enabled(options.get("workspace")) and _home(model) in (dev.type, "meta"):
-            # Probed on the traced device only: a model that lives elsewhere (CUDA) would run other kernels
-            # (cuDNN, not the oneDNN ops this fake CPU trace records).
-            tracker.workspace = Workspace(dev)
+        # The fake trace stays on the CPU; the workspaces are measured where the model trains (a GPU runs cuDNN's
+        # convolutions; oneDNN's RNN ops are CPU kernels, not probed there: workspace.modelled_ops).
+        probed = probe_device(options.get("workspace"), _home(model), dev)
+        if probed is not None:
+            tracker.workspace = Workspace(probed)
         if not count_flops:
             tracker._flop_registry = {}
         batches = [_to_fake(make_batch(), mode, dev) for _ in range(n_mb)]

@@ -47,7 +47,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["Workspace", "cache_dir", "enabled", "installed_digest", "switch", "probe_count", "FIT_SIZES", "HELD_OUT", "STEP_SIZES"]
+__all__ = ["Workspace", "cache_dir", "enabled", "installed_digest", "modelled_ops", "probe_device", "switch", "probe_count", "FIT_SIZES", "HELD_OUT", "STEP_SIZES"]
 
 aten = torch.ops.aten
 # oneDNN picks other algorithms for a batch of one (a 64-channel 3x3 convolution: 576 KiB of scratch at batch 1,
@@ -81,6 +81,36 @@ def enabled(option: bool | None = None) -> bool:
         False
     """
     return switch("MEMWRAP_WORKSPACE", option)
+
+
+def probe_device(option: bool | str | None, home: str, traced: torch.device) -> torch.device | None:
+    """Where a trace measures its kernels' workspaces, or None (not modelled).
+
+    ``option`` is ``estimate(workspace=...)``: False turns it off, True / None (the ``MEMWRAP_WORKSPACE`` default) probe
+    on the device the model will train on (``home``: its parameters' device, "meta" for a factory: then the traced
+    one), a device name (``"cuda"``) probes there: a model built on the CPU or the meta device, planned for a GPU.
+
+    Example:
+        >>> probe_device(None, "meta", torch.device("cpu"))
+        device(type='cpu')
+        >>> probe_device(False, "cpu", torch.device("cpu")) is None
+        True
+    """
+    if isinstance(option, (str, torch.device)) and not isinstance(option, bool):
+        device = torch.device(option)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"workspace={str(option)!r}: the kernel workspaces are measured with small real calls on "
+                             "that device, and this machine has no CUDA device. Fix: plan on the GPU machine, or "
+                             "workspace=True (this machine's kernels) / False (not modelled).")
+        return device
+    if not enabled(option):
+        return None
+    if home in (traced.type, "meta"):
+        return traced
+    if home == "cuda" and torch.cuda.is_available():
+        # A model on the GPU runs cuDNN's convolutions there: their workspaces are measured on it.
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
 
 
 def switch(variable: str, option: bool | None = None) -> bool:
@@ -162,6 +192,22 @@ _OPS: dict[Any, tuple[Callable, Callable | None]] = {
     aten.mkldnn_rnn_layer.default: (_rnn_dims, None),
     aten.mkldnn_rnn_layer_backward.default: (_rnn_bw_dims, _rnn_bw_prepare),
 }
+
+
+# What a CUDA model's probes can measure: the fake trace runs on the CPU, so it records the device-neutral convolution
+# ops (on CUDA, cuDNN picks the kernel and its workspace) and oneDNN's RNN layers, which are CPU kernels: a CUDA LSTM
+# runs cuDNN's RNN instead, which the CPU trace never records (not modelled; benchmarks/gpu_check.py's zoo_cuda row).
+_DEVICE_NEUTRAL = (aten.convolution.default, aten.convolution_backward.default)
+
+
+def modelled_ops(device: torch.device) -> frozenset:
+    """The ops whose workspace :class:`Workspace` measures on ``device``.
+
+    Example:
+        >>> sorted(str(op) for op in modelled_ops(torch.device("cuda")))
+        ['aten.convolution.default', 'aten.convolution_backward.default']
+    """
+    return frozenset(_OPS) if torch.device(device).type == "cpu" else frozenset(_DEVICE_NEUTRAL)
 
 
 def _flags(device: torch.device) -> dict[str, Any]:
@@ -261,6 +307,7 @@ class Workspace:
 
     def __init__(self, device: torch.device, directory: Path | None = None):
         self.device = torch.device(device)
+        self.ops = modelled_ops(self.device)
         self.directory = Path(directory) if directory is not None else cache_dir()
         self.path = self.directory / f"workspace-torch{torch.__version__}-{self.device.type}.json"
         self.fits: dict[str, dict] | None = None  # loaded on the first op that needs one
@@ -343,7 +390,7 @@ class Workspace:
 
     def fit_for(self, func, args: tuple) -> tuple[dict, int] | None:
         """The cached or freshly measured fit for this call and the call's batch size, or None (op not modelled)."""
-        spec = _OPS.get(func)
+        spec = _OPS.get(func) if func in self.ops else None
         if spec is None:
             return None
         dims_of, prepare = spec
@@ -369,7 +416,7 @@ class Workspace:
     # -- the trace's side
     def wrap(self, func, args: tuple, kwargs: dict | None):
         """``func`` itself for ops without a workspace model; else a callable that runs it and applies the fit."""
-        if func not in _OPS or kwargs:
+        if func not in self.ops or kwargs:
             return func
 
         def call(*a, **k):
