@@ -153,13 +153,17 @@ def test_lomo_in_trainer_equals_lomo_optims_own_two_pass_clipping(tmp_path):
     model = _plain(base)
     trainer, _ = _trainer(tmp_path, "lomo", model, BITES)
     fed = _train_recording(trainer, model)
-    theirs = _plain(base)
-    ref = lomo_optim.Lomo(theirs, lr=LR, clip_grad_norm=BITES, weight_decay=WD)
+    _equals_lomo_optims_own(lomo_optim.Lomo, _plain(base), model, fed, rtol=1e-6, atol=1e-7)
+
+
+def _equals_lomo_optims_own(cls, theirs, model, fed, **tolerance):
+    """lomo-optim's own two-pass clipping on ``theirs`` over the batches Trainer fed, against the Trainer run."""
+    ref = cls(theirs, lr=LR, clip_grad_norm=BITES, weight_decay=WD)
     for batch in fed:
-        ref.grad_norm(_mse(theirs, batch))
-        ref.fused_backward(_mse(theirs, batch), LR)
+        ref.grad_norm(_mse(theirs, batch))  # its first backward: the norm
+        ref.fused_backward(_mse(theirs, batch), LR)  # its second: the clipped updates
     for (pname, a), b in zip(theirs.named_parameters(), model.parameters(), strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=pname)
+        torch.testing.assert_close(b, a, msg=pname, **tolerance)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="AdaLomo needs CUDA (see benchmarks/gpu_check.py)")
@@ -169,15 +173,9 @@ def test_adalomo_in_trainer_equals_lomo_optims_own_two_pass_clipping_on_cuda(tmp
     lomo_optim = pytest.importorskip("lomo_optim")
     base = base_model()
     model = _plain(base).cuda()
-    trainer, norms = _trainer(tmp_path, "adalomo", model, BITES, use_cpu=False)
+    trainer, _ = _trainer(tmp_path, "adalomo", model, BITES, use_cpu=False)
     fed = _train_recording(trainer, model)
-    theirs = _plain(base).cuda()
-    ref = lomo_optim.AdaLomo(theirs, lr=LR, clip_grad_norm=BITES, weight_decay=WD)
-    for batch in fed:
-        ref.grad_norm(_mse(theirs, batch))
-        ref.fused_backward(_mse(theirs, batch), LR)
-    for (pname, a), b in zip(theirs.named_parameters(), model.parameters(), strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=pname)
+    _equals_lomo_optims_own(lomo_optim.AdaLomo, _plain(base).cuda(), model, fed, rtol=1e-5, atol=1e-6)
 
 
 # --- refused before anything changes -----------------------------------------------------------------------------
