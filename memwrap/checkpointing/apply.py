@@ -21,6 +21,7 @@ import functools
 import inspect
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,7 +36,8 @@ from memwrap.checkpointing.policies import (MODES, check_policy_name, find_block
 from memwrap.errors import closest_hint
 
 __all__ = ["CheckpointReport", "apply_checkpointing", "remove_checkpointing", "find_blocks",
-           "parse_checkpoint_option", "is_checkpointed", "checkpoint_target", "check_wrap", "refuse_selective_norm_pass"]
+           "parse_checkpoint_option", "is_checkpointed", "checkpoint_target", "check_wrap", "checkpoint_mode",
+           "refuse_selective_norm_pass"]
 
 _ROOT_ATTR = "_memwrap_checkpoint_report"
 _MOD_ATTR = "_memwrap_checkpoint_hooks"
@@ -386,8 +388,7 @@ def check_wrap(call) -> dict | None:
     """
     how = parse_checkpoint_option(call.opts.checkpoint)
     if call.model is not None and how is None:
-        existing = current_report(call.model) or current_report(checkpoint_target(call.model))
-        _refuse_selective_norm_pass(call, existing.mode if existing is not None else None)
+        _refuse_selective_norm_pass(call, checkpoint_mode(None, call.model))
     if how is None or call.model is None:
         return None
     model = call.model
@@ -413,6 +414,21 @@ def check_wrap(call) -> dict | None:
             "memwrap. Fix: remove that call and let wrap(checkpoint=...) do it, or drop checkpoint=."
         )
     return {"checkpoint": how}
+
+
+def checkpoint_mode(checkpoint: Any, model: nn.Module) -> str | None:
+    """The checkpoint mode ``model`` will train with: ``checkpoint=``'s as :func:`apply_checkpointing` resolves it (a
+    plugin-named policy may set it), else that of the memwrap checkpointing already on the model; None: none.
+
+    Example:
+        >>> checkpoint_mode("selective", torch.nn.Linear(2, 2)), checkpoint_mode(None, torch.nn.Linear(2, 2))
+        ('selective', None)
+    """
+    how = parse_checkpoint_option(checkpoint)
+    if how is None:
+        existing = current_report(model) or current_report(checkpoint_target(model))
+        return existing.mode if existing is not None else None
+    return resolve_policy(how["policy"], how.get("every", 1), how.get("mode", "full"), how.get("offload", False))[2]
 
 
 def _refuse_selective_norm_pass(call, mode: str | None) -> None:

@@ -42,8 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memwrap.checkpointing.apply import current_report, refuse_selective_norm_pass, resolve_policy
-from memwrap.checkpointing.policies import parse_checkpoint_option
+from memwrap.checkpointing.apply import checkpoint_mode, refuse_selective_norm_pass
 from memwrap.runtime.outputs import map_outputs
 from memwrap.techniques.norm_pass import missing_engine_queries
 
@@ -94,12 +93,7 @@ def check_trainer_updates_in_backward(model: nn.Module, args: Any, name: str, ch
             f"optimizer {name} with max_grad_norm={clip} in a Trainer run: memwrap's norm pass needs "
             f"{', '.join(missing)}, which torch {torch.__version__} lacks. Fix: a torch that has them (memwrap is "
             "tested on 2.13), or max_grad_norm=0 (Trainer's own clip finds no gradient left with this optimizer).")
-    how = parse_checkpoint_option(checkpoint)
-    if how is not None:  # as apply_checkpointing will resolve it (a plugin-named policy may set the mode)
-        mode = resolve_policy(how["policy"], how.get("every", 1), how.get("mode", "full"), how.get("offload", False))[2]
-    else:  # memwrap checkpointing applied before this call
-        mode = getattr(current_report(model), "mode", None)
-    refuse_selective_norm_pass(mode, f"max_grad_norm={clip}", step_in_backward=False)
+    refuse_selective_norm_pass(checkpoint_mode(checkpoint, model), f"max_grad_norm={clip}", step_in_backward=False)
     return clip
 
 

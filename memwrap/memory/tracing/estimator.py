@@ -37,7 +37,8 @@ from memwrap.memory.tracing.depth import extrapolation_depths
 from memwrap.memory.tracing.trace import TRACE_ONLY_OPTIONS, Segment, Stack, TraceResult, find_stack, run_trace
 from memwrap.memory.tracing import parallel
 from memwrap.memory.tracing.disk_cache import cached
-from memwrap.memory.tracing.workspace import Workspace, enabled as workspace_enabled, probe_device
+from memwrap.memory.tracing.workspace import (Workspace, check_option as check_workspace_option,
+                                              enabled as workspace_enabled)
 from memwrap.config.options import parse_options
 from memwrap.plugin.registry import create_optimizer, get_optimizer_spec
 from memwrap.plugin.state_size import predict_state_bytes
@@ -544,20 +545,7 @@ def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn:
         raise TypeError(f"estimate(keep_outputs={keep_outputs!r}) must be True (the loop holds the model's outputs "
                         "through backward: outputs = model(**batch); outputs.loss.backward()) or False (loss = "
                         "model(**batch).loss, Trainer's compute_loss).")
-    if isinstance(workspace, torch.device):  # by name: the trace cache's key and the report read it as text
-        workspace = str(workspace)
-    if isinstance(workspace, str):
-        try:
-            kind = torch.device(workspace).type
-        except RuntimeError:  # not a device name ("yes")
-            kind = None
-        if kind not in ("cpu", "cuda"):
-            raise TypeError(f"estimate(workspace={workspace!r}) must be True, False, None (None: on unless the "
-                            "environment sets MEMWRAP_WORKSPACE=0) or the device to measure on, 'cpu' or 'cuda'.")
-        probe_device(workspace, "meta", torch.device("cpu"))  # no CUDA device here: refused now, naming the fix
-    elif workspace is not None and not isinstance(workspace, bool):
-        raise TypeError(f"estimate(workspace={workspace!r}) must be True, False, None (None: on unless the "
-                        "environment sets MEMWRAP_WORKSPACE=0) or the device to measure on, 'cpu' or 'cuda'.")
+    workspace = check_workspace_option(workspace)
     wrap_options = parse_options(**wrap_options).to_kwargs()  # wrap()'s validation, canonical names
     opt_name = get_optimizer_spec(wrap_options.get("optim") or optimizer).name
     if strategy == "fsdp2":

@@ -47,7 +47,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["Workspace", "cache_dir", "enabled", "installed_digest", "modelled_ops", "probe_device", "switch", "probe_count", "FIT_SIZES", "HELD_OUT", "STEP_SIZES"]
+__all__ = ["Workspace", "cache_dir", "check_option", "enabled", "installed_digest", "modelled_ops", "probe_device", "switch", "probe_count", "FIT_SIZES", "HELD_OUT", "STEP_SIZES"]
 
 aten = torch.ops.aten
 # oneDNN picks other algorithms for a batch of one (a 64-channel 3x3 convolution: 576 KiB of scratch at batch 1,
@@ -83,6 +83,30 @@ def enabled(option: bool | None = None) -> bool:
     return switch("MEMWRAP_WORKSPACE", option)
 
 
+def check_option(option: bool | str | torch.device | None) -> bool | str | None:
+    """``estimate(workspace=...)`` checked, in the form a trace carries (a device by name: the trace cache's key and
+    the report read it as text); a CUDA device on a machine without one is refused before anything is traced.
+
+    Example:
+        >>> check_option(torch.device("cpu")), check_option(None)
+        ('cpu', None)
+    """
+    if option is None or isinstance(option, bool):
+        return option
+    if isinstance(option, torch.device):
+        option = str(option)
+    if isinstance(option, str):
+        try:
+            kind = torch.device(option).type
+        except RuntimeError:  # not a device name ("yes")
+            kind = None
+        if kind in ("cpu", "cuda"):
+            probe_device(option, "meta", torch.device("cpu"))  # the refusal without CUDA, naming the fix
+            return option
+    raise TypeError(f"estimate(workspace={option!r}) must be True, False, None (None: on unless the environment sets "
+                    "MEMWRAP_WORKSPACE=0) or the device to measure on, 'cpu' or 'cuda'.")
+
+
 def probe_device(option: bool | str | None, home: str, traced: torch.device) -> torch.device | None:
     """Where a trace measures its kernels' workspaces, or None (not modelled).
 
@@ -96,7 +120,7 @@ def probe_device(option: bool | str | None, home: str, traced: torch.device) -> 
         >>> probe_device(False, "cpu", torch.device("cpu")) is None
         True
     """
-    if isinstance(option, (str, torch.device)) and not isinstance(option, bool):
+    if isinstance(option, (str, torch.device)):
         device = torch.device(option)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"workspace={str(option)!r}: the kernel workspaces are measured with small real calls on "
