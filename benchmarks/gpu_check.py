@@ -127,7 +127,8 @@ def check_hf_optimizers_cuda(s: Setup) -> dict:
 
 def check_norm_pass_cuda(s: Setup) -> dict:
     """The norm pass's CUDA-only tests (issue 21): AdaLomo clipped inside backward against lomo-optim's own two-pass
-    clipping (in a plain loop, and inside transformers.Trainer), and the step in backward's CUDA rows, on the GPU."""
+    clipping (in a plain loop, and inside transformers.Trainer), the step in backward's CUDA rows, and a penalty refused
+    where the hooks run on autograd's device thread (the caller's roots read from another thread), on the GPU."""
     import importlib.util
 
     missing = [m for m in ("pytest", "lomo_optim") if importlib.util.find_spec(m) is None]
@@ -137,7 +138,8 @@ def check_norm_pass_cuda(s: Setup) -> dict:
 
     root = pathlib.Path(__file__).resolve().parents[1] / "tests"
     code = pytest.main(["-q", "-p", "no:cacheprovider", str(root / "test_norm_pass_in_backward.py"),
-                        str(root / "test_step_in_backward.py"), str(root / "test_trainer_norm_pass.py"), "-k", "cuda"])
+                        str(root / "test_step_in_backward.py"), str(root / "test_trainer_norm_pass.py"),
+                        str(root / "test_loss_paths.py"), "-k", "cuda"])
     expect(code == 0, f"the norm pass's CUDA tests exited {code}")
     return {"pytest_exit": int(code)}
 

@@ -154,8 +154,9 @@ def backward(loss: torch.Tensor, model: WrappedModule, **kwargs: Any) -> None:
 
     Use it instead of ``loss.backward()`` when the loss adds something computed directly from
     parameters (e.g. an L2 penalty over ``model.parameters()``): those terms bypass the output
-    hooks that apply the micro-batch weight and the fp16 loss scale. Here the whole loss is
-    weighted and scaled once, and the output hooks stand aside.
+    hooks that apply the micro-batch weight and the fp16 loss scale (and the norm pass's norm), and
+    ``loss.backward()`` refuses such a loss where that matters. Here the whole loss is weighted and
+    scaled once, and the output hooks stand aside.
 
     Example:
         >>> loss = loss_fn(model(x), y) + 1e-4 * sum(p.square().sum() for p in model.parameters())  # doctest: +SKIP

@@ -433,20 +433,29 @@ def _with_temperature(accumulate=2, **options):
     return model, m, o
 
 
+@pytest.mark.parametrize("entry", ["loss.backward", "engine"])
 @pytest.mark.parametrize("order", ["before", "after"])
-def test_a_penalty_bypassing_the_outputs_is_refused_before_any_update_and_memwrap_backward_is_exact(order):
-    # The refusal needs a parameter that the backward reaches and the outputs do not (the temperature). A penalty
-    # on a parameter the outputs also reach (fc1.weight below) cannot be told apart from the graph: autograd sums
-    # both paths before the parameter's hook sees the gradient. That case is documented (docs/options.md) and
-    # memwrap.backward makes it exact, as the second half shows.
-    # "before": the temperature's gradient arrives before the outputs' (its terms are built after the forward, and
-    # autograd runs the newest nodes first); "after": it is built before the forward, so the first pass runs first.
+def test_a_penalty_bypassing_the_outputs_is_refused_before_any_update_and_memwrap_backward_is_exact(order, entry):
+    # "loss.backward": the roots of the user's backward are read (memwrap.runtime.loss_graph) and the loss's paths
+    # around the outputs (the temperature, fc1.weight's penalty) are refused at the first output hook, before the
+    # first pass. "engine": a backward started on autograd's engine directly, whose roots cannot be read: the norm
+    # pass's own checks still refuse a parameter the outputs do not reach (a penalty on one they also reach is then
+    # not told apart: docs/options.md). "before": the temperature's gradient arrives before the outputs' (its terms
+    # are built after the forward, and autograd runs the newest nodes first); "after": built before the forward, so
+    # with "engine" the first pass runs first and finds it missed.
     def loss_of(m, model, ids, y):
         if order == "after":
             inv = 1.0 / model.temperature
             return F.mse_loss(m(ids), y) * inv + 1e-2 * model.fc1.weight.square().sum()
         return (F.mse_loss(m(ids), y) / model.temperature + 1e-2 * model.fc1.weight.square().sum()
                 + model.temperature.square())
+
+    def run_backward(loss):
+        if entry == "engine":
+            torch.autograd.Variable._execution_engine.run_backward(
+                (loss,), (torch.ones_like(loss),), False, False, (), True, True)
+        else:
+            loss.backward()
 
     model, m, o = _with_temperature(accumulate=2)
     ids, y = regression_batch()
@@ -455,15 +464,15 @@ def test_a_penalty_bypassing_the_outputs_is_refused_before_any_update_and_memwra
     snap = _snapshot(model)
     first_passes = []
     original = NormPass.begin
-    with pytest.raises(RuntimeError, match=r"parameter 'temperature'.*other than through the model's outputs.*"
-                                           r"Nothing was updated.*Fix: finish this loss with memwrap.backward"
-                                           r"\(loss, model\)"):
+    with pytest.raises(RuntimeError, match=r"parameter '(temperature|fc1.weight)'.*other than through the "
+                                           r"(wrapped )?model's outputs.*Nothing was (updated|accumulated).*Fix: "
+                                           r"finish this loss with memwrap.backward\(loss, model\)"):
         NormPass.begin = lambda self: (first_passes.append(1), original(self))[1]
         try:
-            loss_of(m, model, ids, y).backward()
+            run_backward(loss_of(m, model, ids, y))
         finally:
             NormPass.begin = original
-    assert len(first_passes) == (1 if order == "after" else 0)  # both ways of meeting it are exercised
+    assert len(first_passes) == (1 if (order, entry) == ("after", "engine") else 0)  # each way of meeting it
     names = [n for n, _ in model.named_parameters()]
     for name, p, w, g in zip(names, model.parameters(), *snap):
         assert torch.equal(p, w), name  # no parameter was updated

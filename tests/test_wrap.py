@@ -147,15 +147,15 @@ def test_explicit_backward_weights_penalty_terms():
     assert max_rel_err([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()]) < 1e-6
 
 
-def test_plain_backward_with_penalty_is_what_the_docs_warn_about():
+def test_plain_backward_with_penalty_is_refused_with_the_fix():
+    """It would weight the penalty once per micro-batch (the docs' old warning): refused before any gradient.
+    Every kind of path around the outputs is in tests/test_loss_paths.py."""
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
     model = net()
-    ref = copy.deepcopy(model)
-    (ref(x).square().mean() + 1e-2 * sum(p.square().sum() for p in ref.parameters())).backward()
     m, o = memwrap.wrap(model, torch.optim.SGD(model.parameters(), lr=0.0), accumulate=2)
-    for xb in x.split(4):
-        (m(xb).square().mean() + 1e-2 * sum(p.square().sum() for p in model.parameters())).backward()
-    assert max_rel_err([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()]) > 1e-3
+    with pytest.raises(RuntimeError, match=r"other than through the wrapped model's outputs.*memwrap.backward"):
+        (m(x[:4]).square().mean() + 1e-2 * sum(p.square().sum() for p in model.parameters())).backward()
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_options_from_training_arguments_like_object():

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten
 from memwrap.errors import refuse_unwrapped
 from memwrap.precision.base import Precision
 from memwrap.runtime.gate import AccumulationGate
+from memwrap.runtime.loss_graph import ENGINE_QUERIES_PRESENT, bypassing, walk
 from memwrap.runtime.outputs import map_outputs
 
 __all__ = ["WrappedModule", "map_outputs"]
@@ -107,7 +108,7 @@ class WrappedModule(nn.Module):
         object.__setattr__(self, "_sync_context", sync_context)
         # chunked_loss: called instead of the module (memwrap.techniques.loss_head.BoundLossHead); None: the module itself.
         object.__setattr__(self, "_loss_head", loss_head)
-        object.__setattr__(self, "_hooks_bypassed", _Bypass())
+        object.__setattr__(self, "_hooks_bypassed", _Bypass(weakref.ref(self)))
         object.__setattr__(self, "checkpoint_report", None)
         object.__setattr__(self, "_owns_checkpointing", False)  # whether unwrap() removes the checkpointing
         object.__setattr__(self, "_opaque_warned", False)
@@ -188,20 +189,29 @@ class WrappedModule(nn.Module):
         Bounded on purpose: an input built from a large graph (an upstream network) is not searched
         through; only the short paths of a loop feeding outputs back are.
         """
-        # The visited wrappers are kept alive: some torch versions make a new Python object per access,
-        # and a freed one's id could be reused by the next, which would then pass for visited.
-        visited: list = []
-        seen, frontier = set(), [t.grad_fn]
-        while frontier and len(seen) < budget:
-            node = frontier.pop()
-            if node is None or id(node) in seen:
-                continue
-            visited.append(node)
-            seen.add(id(node))
-            if _OUTPUT_MARK in node.metadata:
-                return True
-            frontier.extend(fn for fn, _ in node.next_functions)
-        return False
+        return any(_OUTPUT_MARK in node.metadata for node in walk([t.grad_fn], stop=_is_output, budget=budget))
+
+    def _refuse_paths_around_outputs(self, current: Any) -> None:
+        """Refuse a backward whose loss reaches this model's parameters other than through its outputs, where the
+        output hooks weight the gradient (accumulation) or loss-scale it (fp16): that term would be neither."""
+        params = {id(p): name for name, p in self.module.named_parameters() if p.requires_grad}
+        found = bypassing(current, _is_output, params)
+        if not found:
+            return  # none, or the backward's roots could not be read (see memwrap.runtime.loss_graph)
+        what = []
+        if self._gate.accumulate > 1:
+            what.append(f"weighted by its micro-batch's share of the window (accumulate={self._gate.accumulate})")
+        if self._scaler.is_enabled():
+            what.append("loss-scaled (fp16)")
+        raise RuntimeError(
+            f"This backward reaches parameter {found[0]!r}" + (f" (and {len(found) - 1} more)" if len(found) > 1 else "")
+            + " other than through the wrapped model's outputs: a loss term computed from the parameters (an L2 "
+            "penalty), a head or tied weight applied outside the model, or a tensor the model kept instead of "
+            f"returning it. That term's gradient would not be {' nor '.join(what) or 'weighted'}, so the gradient "
+            "would not be the big batch's. Nothing was accumulated through the outputs (a parameter reached only "
+            "that way may already hold this micro-batch's part). Fix: finish this loss with memwrap.backward(loss, "
+            "model), which weights the whole loss once, or compute the term inside the model's forward and return "
+            "it with the outputs.")
 
     # Both read the window's state, which changes between micro-batches: under torch.compile they
     # must run eagerly every call, or the first micro-batch's weight and sync decision get baked in.
@@ -384,6 +394,10 @@ def _finish_output(t: torch.Tensor, hook: _GradScale | None) -> torch.Tensor:
     return t
 
 
+def _is_output(node: Any) -> bool:
+    return _OUTPUT_MARK in node.metadata
+
+
 def _output_hook(t: torch.Tensor) -> _GradScale | None:
     """The hook of a wrapped model's output alias, or None for any other tensor."""
     return t.grad_fn.metadata.get(_OUTPUT_MARK) if t.grad_fn is not None else None
@@ -395,12 +409,16 @@ def _scaling(hook: _GradScale | None) -> bool:
 
 
 class _Bypass:
-    """Shared flag: set while memwrap.backward() has already weighted the whole loss."""
+    """Shared by one wrapped model's output hooks: ``on`` while memwrap.backward() has already weighted the whole
+    loss; ``task``, the backward whose loss graph was last checked for paths around the outputs; ``owner``, the
+    wrapped model (weakly: its hooks must not keep it alive)."""
 
-    __slots__ = ("on",)
+    __slots__ = ("on", "task", "owner")
 
-    def __init__(self):
+    def __init__(self, owner: Callable[[], Any] = lambda: None):
         self.on = False
+        self.task = -1
+        self.owner = owner
 
 
 class _GradScale:
@@ -418,6 +436,13 @@ class _GradScale:
         self.inverse = inverse
 
     def __call__(self, grad: torch.Tensor) -> torch.Tensor | None:
+        if not self.bypass.on and self.factor is not None and not self.inverse:
+            task = torch._C._current_graph_task_id() if ENGINE_QUERIES_PRESENT else self.bypass.task
+            if task != self.bypass.task:  # once per backward: its first output hook, before any weighted gradient
+                self.bypass.task = task
+                owner = self.bypass.owner()
+                if owner is not None:
+                    owner._refuse_paths_around_outputs(torch._C._current_autograd_node())
         self.gate.backward_seen = True
         if self.bypass.on or self.factor is None:
             return None  # gradient unchanged

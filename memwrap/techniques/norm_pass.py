@@ -21,14 +21,15 @@ over the graph, inside the user's single ``loss.backward()``:
    first pass's ``found_inf`` exactly as ``scaler.update()`` after ``unscale_`` would.
 
 ``memwrap.backward(loss, model)`` runs the two passes from the loss itself (a loss with terms that
-bypass the outputs is covered there). With a plain ``loss.backward()``, a parameter that the
-backward reaches other than through the model's outputs (a penalty computed from the parameters)
-is found before anything changes and refused with that fix; a penalty on a parameter that is also
-reached through the outputs cannot be told apart and must go through ``memwrap.backward``, as it
-must already for accumulation and fp16. A loss over several forward calls of the model in the
-window's last micro-batch is refused at its backward (autograd runs and frees the later call's graph
-before the earlier call's outputs get their gradient), with the same fix; ``create_graph=True`` is
-refused, and selective checkpointing (one backward per region in torch) is refused at ``wrap()``.
+bypass the outputs is covered there). With a plain ``loss.backward()``, a loss that reaches a
+parameter other than through the model's outputs (a penalty computed from the parameters, also on
+one the outputs reach) is found before the first pass, from the running backward's roots
+(:mod:`memwrap.runtime.loss_graph`), and refused with that fix. Where those roots cannot be read (a
+backward started on the engine directly), a parameter the outputs do not reach is still found (its
+gradient arrives before the first pass, or the first pass misses it). A loss over several forward
+calls of the model in the window's last micro-batch is refused at its backward (autograd runs and
+frees the later call's graph before the earlier call's outputs get their gradient), with the same
+fix; ``create_graph=True`` is refused, and selective checkpointing (one backward per region in torch) is refused at ``wrap()``.
 
 What it costs: one more backward of the window's last micro-batch per update (checkpointed blocks
 are recomputed in both passes), and during the first pass the last micro-batch's saved
@@ -50,6 +51,7 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._foreach_utils import _has_foreach_support
 
+from memwrap.runtime.loss_graph import ENGINE_QUERIES, bypassing
 from memwrap.runtime.optimizer import _no_values
 
 __all__ = ["NormPass", "ParamHook", "missing_engine_queries", "needs_norm_pass"]
@@ -63,7 +65,8 @@ def missing_engine_queries() -> list[str]:
         >>> missing_engine_queries()
         []
     """
-    return [name for name in ("_current_graph_task_id", "_will_engine_execute_node") if not hasattr(torch._C, name)]
+    names = ("_current_graph_task_id", "_will_engine_execute_node", *ENGINE_QUERIES)
+    return [name for name in dict.fromkeys(names) if not hasattr(torch._C, name)]
 
 
 def needs_norm_pass(max_grad_norm: float | None, scaler: torch.amp.GradScaler) -> bool:
@@ -173,6 +176,7 @@ class NormPass:
         if task != self._collect_task:  # the first output of this backward: which of them will it reach?
             self._collect_task, self._collected = task, {}
             self._expected = {i for i, node in enumerate(self._nodes) if torch._C._will_engine_execute_node(node)}
+            self._refuse_paths_around_outputs(index)
             calls = sorted({self._call_of[i] for i in self._expected})
             if len(calls) > 1:
                 # Autograd runs the newest nodes first: the later call's graph is run (and its saved tensors freed)
@@ -217,6 +221,22 @@ class NormPass:
                 "would miss its gradient. Nothing was updated and the window's gradients are as they were. Fix: "
                 "finish this loss with memwrap.backward(loss, model), which runs both passes from the loss itself.")
         self.end()
+
+    def _refuse_paths_around_outputs(self, index: int) -> None:
+        """Refuse, before the first pass, a loss that reaches a parameter other than through the outputs (a penalty on
+        a parameter the outputs also reach: the norm from the outputs would miss that term's gradient)."""
+        outputs = {id(node.metadata) for node in self._nodes}
+        found = bypassing(self._nodes[index], lambda node: id(node.metadata) in outputs, self._names)
+        if found:
+            self._expected, self._collected = set(), {}
+            raise RuntimeError(
+                f"step_in_backward with the norm pass ({self._what()}): this backward reaches parameter "
+                f"{found[0]!r}" + (f" (and {len(found) - 1} more)" if len(found) > 1 else "") + " other than "
+                "through the model's outputs (a loss term computed from the parameters, e.g. a penalty, or a head "
+                "applied outside the model), so the norm taken from the outputs would miss that term's gradient. "
+                "Nothing was updated (a parameter reached only that way may already hold this micro-batch's part). "
+                "Fix: finish this loss with memwrap.backward(loss, model), which runs both passes from the loss "
+                "itself, or compute the term inside the model's forward and return it with the outputs.")
 
     def hold(self, param: torch.Tensor) -> None:
         """A parameter's gradient arrived in the window's last backward before any first pass: hold it for step().
