@@ -213,9 +213,27 @@ def test_on_cuda_only_the_convolutions_are_probed():
     instead, not recorded), so a CUDA Workspace leaves them alone; convolutions are the same op on both."""
     ws = W.Workspace(torch.device("cuda"))  # nothing runs until an op is met
     aten = torch.ops.aten
-    assert ws.wrap(aten.mkldnn_rnn_layer.default, (), {}) is aten.mkldnn_rnn_layer.default
+    assert ws.wrap(aten.add.Tensor, (), {}) is aten.add.Tensor
     assert ws.wrap(aten.convolution.default, (), {}) is not aten.convolution.default
     assert W.modelled_ops(torch.device("cpu")) > W.modelled_ops(torch.device("cuda"))
+
+
+def test_a_cuda_lstm_estimate_says_its_rnn_is_not_modelled(monkeypatch):
+    """For a model trained on CUDA, the CPU trace's oneDNN RNN layers get no term (cuDNN's RNN runs there instead),
+    and the report says so per op instead of passing over them. No CUDA needed: only the device the workspaces
+    would be probed on is set, and an LSTM has no convolution to probe."""
+    from memwrap.memory.tracing import trace as T
+    plain = memwrap.estimate(LSTMNet, lstm_batch(), loss_fn=ce, workspace=False)
+    monkeypatch.setattr(T, "probe_device", lambda *a: torch.device("cuda"))
+    est = memwrap.estimate(LSTMNet, lstm_batch(), loss_fn=ce, workspace=True)
+    rnn = {op: row for op, row in est.workspace.items() if "mkldnn_rnn_layer" in op}
+    assert set(rnn) == {"aten.mkldnn_rnn_layer.default", "aten.mkldnn_rnn_layer_backward.default"}
+    for op, row in rnn.items():
+        assert row["bytes"] == row["kept"] == 0 and row["calls"] == 2  # two layers, no term
+        assert row["kind"].startswith("not modelled on cuda") and "cuDNN's RNN" in row["kind"]
+        assert f"kernel workspace {op}: not modelled on cuda" in str(est) and "no term added" in str(est)
+    # No term: the trace's RNN bytes are what the plain trace has (the optimizer step's CPU row aside).
+    assert est.breakdown["activations"] == plain.breakdown["activations"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

@@ -522,7 +522,8 @@ def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn:
     with small real calls on the device and cached on disk (:mod:`memwrap.memory.tracing.workspace`); None (the
     default) follows ``MEMWRAP_WORKSPACE`` (on unless ``0``). The device is the model's (for a factory, the CPU);
     a device name (``workspace="cuda"``) measures there instead, for a model built on the CPU and trained on a GPU
-    (cuDNN's convolution workspaces; a CUDA RNN's are not modelled). The report lists each op that got a term.
+    (cuDNN's convolution workspaces; a CUDA RNN's are not modelled, and the report says so). The report lists
+    each op that got a term.
 
     ``world_size=N, strategy="fsdp2" | "ddp"``: the peak of one of ``N`` data-parallel ranks, each
     running ``batch`` as its micro-batch (the global batch is ``micro-batch x accumulate x N``).

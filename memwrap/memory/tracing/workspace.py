@@ -439,7 +439,13 @@ class Workspace:
 
     # -- the trace's side
     def wrap(self, func, args: tuple, kwargs: dict | None):
-        """``func`` itself for ops without a workspace model; else a callable that runs it and applies the fit."""
+        """``func`` itself for ops without a workspace model; else a callable that runs it and applies the fit.
+
+        A CPU-only kernel met in a trace for another device (oneDNN's RNN layer, for a model trained on CUDA, which
+        runs cuDNN's RNN there) gets no term, but a row saying so: the report names what the estimate leaves out.
+        """
+        if func in _OPS and func not in self.ops and not kwargs:
+            return self._unmodelled(func)
         if func not in self.ops or kwargs:
             return func
 
@@ -470,6 +476,18 @@ class Workspace:
             if fit["kind"] != "fit":
                 row["kind"] = fit["kind"]
             return type(res)(outs) if isinstance(res, (tuple, list)) else outs[0]
+
+        return call
+
+    def _unmodelled(self, func):
+        def call(*a, **k):
+            row = self.used.setdefault(str(func), {
+                "bytes": 0, "calls": 0, "kept": 0,
+                "kind": f"not modelled on {self.device.type} (the CPU trace records oneDNN's kernel; on "
+                        f"{self.device.type} the layer runs another, cuDNN's RNN for an LSTM or GRU, whose workspace "
+                        f"and reserve kept for backward were not measured)"})
+            row["calls"] += 1
+            return func(*a, **k)
 
         return call
 
