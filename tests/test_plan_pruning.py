@@ -203,14 +203,45 @@ def test_fsdp2_probe_refuses_what_fails_on_shards_and_only_that():
 
 
 @needs_cpu_fsdp2
+@pytest.mark.parametrize("probe", ["eager", "no set_stance: graph caches off"])
+def test_fsdp2_probe_verdict_does_not_depend_on_what_was_compiled_before(tmp_path, probe):
+    # torchao's 8-bit and 4-bit AdamW step one compiled function; torch 2.13's FX graph cache gave the second of them
+    # probed in a process the first one's graph, and the probe refused it ("wrong number of dimensions1 for op:
+    # input"; with the machine's shared inductor cache it was the 8-bit one, which the planner then never offered
+    # under FSDP2). The probe steps eagerly (or, on a torch without torch.compiler.set_stance, compiles with the
+    # graph caches off). A fresh process and inductor cache, both orders, no stored answers.
+    pytest.importorskip("torchao")
+    import json
+    import os
+    import subprocess
+
+    code = ("import json, sys, warnings; warnings.filterwarnings('ignore')\n"
+            "import torch\n"
+            + ("del torch.compiler.set_stance\n" if probe != "eager" else "")
+            + "from memwrap.memory.sharded.trace import fsdp2_refusals\n"
+            "a = fsdp2_refusals(['adamw_torch_8bit', 'adamw_torch_4bit'], 2)\n"
+            "b = fsdp2_refusals(['adamw_torch_4bit', 'adamw_torch_8bit'], 2)\n"
+            "print(json.dumps([a, b]))")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "MEMWRAP_VALUE_CACHE": "0",
+           "MEMWRAP_CACHE_DIR": str(tmp_path / "memwrap")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [{}, {}]
+
+
+@needs_cpu_fsdp2
 @pytest.mark.slow
 def test_fsdp2_probe_agrees_with_real_two_rank_training(tmp_path, monkeypatch):
     """What the planner's probe refuses fails on 2 real gloo ranks under FSDP2; what it accepts trains exactly as DDP."""
     # The ranks compile torchao's 8-bit step with a private inductor cache: with the machine's shared one
     # (/tmp/torchinductor_<user>, written by the other tests' compiles), torch 2.13 + torchao 0.18 loaded a graph
     # compiled for another input layout and failed its shape assert ("wrong number of dimensions2 for op: input")
-    # on both ranks; a fresh cache folder trains as DDP does. Not root-caused: which earlier compile collides.
+    # on both ranks; a fresh cache folder trains as DDP does. Root cause (2026-12-04): the FX graph cache gives the
+    # 8-bit and 4-bit AdamW steps each other's graph, on disk and within a process (the ranks train the optimizers
+    # one after the other); with it off each trains as DDP does, and the planner's probe (an eager step) agrees.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+    monkeypatch.setenv("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
     import json
     from pathlib import Path
 
@@ -219,7 +250,8 @@ def test_fsdp2_probe_agrees_with_real_two_rank_training(tmp_path, monkeypatch):
 
     for module in ("apollo_torch", "galore_torch", "torchao", "optimi", "schedulefree"):
         pytest.importorskip(module)
-    names = ["apollo_adamw", "adamw_torch_8bit", "galore_adamw", "stable_adamw", "schedule_free_adamw", "adagrad"]
+    names = ["apollo_adamw", "adamw_torch_8bit", "adamw_torch_4bit", "galore_adamw", "stable_adamw", "schedule_free_adamw",
+             "adagrad"]
     torchrun(Path(__file__).with_name("fsdp2_optim_worker.py"), str(tmp_path), *names, timeout=300)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     refused = fsdp2_refusals(names, 2)

@@ -195,6 +195,33 @@ def _tracker_class():
     return _FSDPSegmentTracker
 
 
+@contextlib.contextmanager
+def _eager():
+    """The probe's step with ``torch.compile`` directives ignored (``torch.compiler.set_stance("force_eager")``).
+
+    Whether an optimizer steps DTensor shards is a question about its update, not about a compiled kernel, and
+    compiling made the verdict depend on what had been compiled before: torchao's 8-bit and 4-bit AdamW step one
+    compiled function, and on torch 2.13 + torchao 0.18 the FX graph cache (in memory, and on disk under
+    ``TORCHINDUCTOR_CACHE_DIR``, shared by the user's processes) handed the second of them the first one's graph,
+    which fails its shape assert ("wrong number of dimensions2 for op: input"); the refusal was stored. Eager, the
+    37 default optimizers get the same verdicts as compiled afresh with the caches off, in 1.9 s instead of 18.8 s
+    on 2 cores (nothing compiled); real FSDP2 training agrees (tests/test_plan_pruning.py). A torch without
+    ``set_stance`` steps with its graph caches off instead."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is not None:
+        with set_stance("force_eager"):
+            yield
+        return
+    with contextlib.ExitStack() as stack:
+        import torch._functorch.config as functorch_config
+        import torch._inductor.config as inductor_config
+
+        for config, name in ((inductor_config, "fx_graph_cache"), (functorch_config, "enable_autograd_cache")):
+            if hasattr(config, name):
+                stack.enter_context(config.patch(**{name: False}))
+        yield
+
+
 def sharding_refusal(optimizer: str, mesh) -> str | None:
     """Why memwrap refuses optimizer ``optimizer`` (a registry name) on FSDP2 shards, or None.
 
@@ -238,7 +265,8 @@ def sharding_refusal(optimizer: str, mesh) -> str | None:
         for p in probe.parameters():  # not zeros: an update path may be skipped for a zero gradient
             p.grad = torch.full_like(p, 1e-3)
         try:
-            built.step()
+            with _eager():
+                built.step()
         except Exception as exc:  # noqa: BLE001 - whatever the optimizer raises is the reason it is refused
             return (f"{type(built).__name__} ({type(built).__module__.split('.')[0]}) cannot step FSDP2's DTensor "
                     f"parameters: {type(exc).__name__}: {str(exc)[:160]}. Fix: under FSDP2 use an elementwise torch "
@@ -264,7 +292,8 @@ def fsdp2_refusals(optimizers: list[str], world_size: int) -> dict[str, str]:
 
         for name in dict.fromkeys(optimizers):
             # The answer depends on the optimizer's code only (memwrap.memory.tracing.disk_cache keys it so).
-            why = remember("fsdp2 refusal", [name], functools.partial(probe, name))
+            # "eager": an answer stored by the compiled probe may be a stale graph's refusal (see _eager).
+            why = remember("fsdp2 refusal, eager", [name], functools.partial(probe, name))
             if why is not None:
                 out[name] = why
     return out
