@@ -49,7 +49,7 @@ def walk(start: Iterable[Any], stop: Callable[[Any], bool], budget: int | None =
     """
     kept: list[Any] = []
     seen: set[int] = set()
-    frontier = [node for node in start if node is not None]
+    frontier = list(start)
     while frontier and (budget is None or len(seen) < budget):
         node = frontier.pop()
         if node is None or id(node) in seen:

@@ -415,7 +415,7 @@ class _Bypass:
 
     __slots__ = ("on", "task", "owner")
 
-    def __init__(self, owner: Callable[[], Any] = lambda: None):
+    def __init__(self, owner: Callable[[], Any]):
         self.on = False
         self.task = -1
         self.owner = owner
@@ -436,8 +436,8 @@ class _GradScale:
         self.inverse = inverse
 
     def __call__(self, grad: torch.Tensor) -> torch.Tensor | None:
-        if not self.bypass.on and self.factor is not None and not self.inverse:
-            task = torch._C._current_graph_task_id() if ENGINE_QUERIES_PRESENT else self.bypass.task
+        if ENGINE_QUERIES_PRESENT and not self.bypass.on and self.factor is not None and not self.inverse:
+            task = torch._C._current_graph_task_id()
             if task != self.bypass.task:  # once per backward: its first output hook, before any weighted gradient
                 self.bypass.task = task
                 owner = self.bypass.owner()
