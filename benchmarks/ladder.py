@@ -58,7 +58,8 @@ def seconds(est, precision: str) -> float:
     return sum(cost_terms(flops=est.flops, ops=est.ops_per_micro_batch, micro_batches=1, precision=precision,
                           param_bytes=est.state["parameters"], grad_bytes=est.state["gradients"],
                           state_bytes=est.state["optimizer_state"], offloaded=est.offloaded,
-                          paged_spill=est.paged_state, host_state=est.host_state).values())
+                          paged_spill=est.paged_state, host_state=est.host_state,
+                          flop_classes=est.flop_classes).values())
 
 
 def predicted(preset: str, batch: int, seq: int) -> list[dict]:

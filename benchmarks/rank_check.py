@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import memwrap  # noqa: E402
-from memwrap.memory.search.cost import A100, _speed, calibrate_cpu, cost_terms  # noqa: E402
+from memwrap.memory.search.cost import A100, calibrate_cpu, cost_terms  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks")
 MIB = 2**20
@@ -172,7 +172,7 @@ def a100_seconds(c: Any, budget: int) -> float:
                           precision=c.precision, param_bytes=est.state["parameters"],
                           grad_bytes=est.state["gradients"], state_bytes=est.state["optimizer_state"],
                           offloaded=est.offloaded, paged_spill=max(0, est.paged_state - max(0, budget - est.peak)),
-                          host_state=est.host_state, device=A100).values())
+                          host_state=est.host_state, device=A100, flop_classes=est.flop_classes).values())
 
 
 class Update:
@@ -269,10 +269,10 @@ def run_workload(name: str, w: dict, k: int, reps: int) -> dict:
                                                           [r["measured_fwd_bwd_s"] for r in ok]),
              "optimizer_vs_step": spearman([r["terms"]["optimizer"] for r in ok],
                                            [r["measured_optimizer_s"] for r in ok]),
-             # What-ifs on the same measurements: the prediction with every precision's matmuls rated at fp32's
-             # speed, and with the optimizer term replaced by the measured step() time.
+             # What-ifs on the same measurements: the prediction with every matmul rated at fp32's speed at the
+             # calibration size (no precision, no size), and with the optimizer term replaced by the measured step().
              "whatif_bf16_at_fp32_speed": spearman(
-                 [r["predicted_s"] + r["terms"]["compute"] * (_speed(c.precision, profile) - 1)
+                 [r["predicted_s"] - r["terms"]["compute"] + c.estimate.flops / (profile.peak_flops * profile.mfu)
                   for c, r in zip(top, rows) if r["measured_s"] is not None], [r["measured_s"] for r in ok]),
              "whatif_measured_step": spearman([r["predicted_s"] - r["terms"]["optimizer"] + r["measured_optimizer_s"]
                                                for r in ok], [r["measured_s"] for r in ok])}
@@ -343,11 +343,17 @@ def markdown(result: dict) -> str:
              f"The `cpu` profile ({prof['source']}): fp32 matmul {prof['peak_flops'] / 1e9:.0f} GFLOP/s, bf16 "
              f"{prof['speed']['bf16']:.2f}x fp32, fp16 {prof['speed']['fp16']:.2f}x, "
              f"{prof['launch_s'] * 1e6:.2f} us per dispatched op, memory {prof['hbm_bytes_s'] / 1e9:.1f} GB/s "
-             f"(calibrated in {meta['calibration_s'] * 1e3:.0f} ms).", "",
+             f"(calibrated in {meta['calibration_s'] * 1e3:.0f} ms). By matmul size, relative to that fp32 rate "
+             "(what the compute term rates each traced matmul with, by its dtype and mean side): "
+             + "; ".join(f"{name} " + ", ".join(f"{side}^3 {v:.2f}" for side, v in sorted(
+                 (int(k), v) for k, v in prof.get("size_speed", {}).get(name, {}).items()))
+                         for name in ("fp32", "bf16", "fp16") if prof.get("size_speed", {}).get(name))
+             + ".", "",
              "Columns after the two profiles' rho diagnose the terms (cpu profile): the launches term alone against "
              "the measured step; compute + launches against the measured forward + backward; the optimizer term "
              "against the measured `step()` (n/a: all tied). The two what-ifs rescore the same measurements: every "
-             "precision's matmuls rated at fp32's speed; the optimizer term replaced by the measured `step()`.", "",
+             "matmul rated at fp32's speed at the calibration size (no precision, no size); the optimizer term "
+             "replaced by the measured `step()`.", "",
              "| workload | fit / traced | rho (cpu profile) | rho (A100 profile) | plan's first is the fastest | "
              "launches alone | compute + launches vs fwd+bwd | optimizer vs step | what-if: bf16 at fp32 speed | "
              "what-if: measured step |",

@@ -13,6 +13,7 @@ from memwrap.memory import plan
 from memwrap.memory.search import cost
 from memwrap.memory.search.cost import (A100, CPU_FIXED, DeviceProfile, calibrate_cpu, cost_terms, cpu_profile,
                                         device_profile, step_seconds)
+from tests.matmul_timing import bf16_over_fp32
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -112,18 +113,7 @@ def test_bf16_on_the_cpu_profile_is_rated_by_its_measured_speed():
     assert ratio != pytest.approx(A100.speed["bf16"] / A100.speed["fp32"])  # not the A100's 16x
     # An independent measurement of the same two matmuls agrees on which dtype is faster wherever the two differ
     # clearly (bf16 is fast with AMX and several times slower than fp32 without it).
-    n = 256
-    rates = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        torch.mm(a, b)
-        best = math.inf
-        for _ in range(5):
-            t0 = time.perf_counter()
-            torch.mm(a, b)
-            best = min(best, time.perf_counter() - t0)
-        rates[dtype] = 1 / best
-    mine = rates[torch.bfloat16] / rates[torch.float32]
+    mine = bf16_over_fp32(256)
     if max(mine, p.speed["bf16"]) / min(mine, p.speed["bf16"]) < 20 and abs(math.log(mine)) > math.log(2):
         assert (mine > 1) == (p.speed["bf16"] > 1), (mine, p.speed)
 
@@ -198,7 +188,7 @@ def _expected(c, profile):
     return cost_terms(flops=est.flops, ops=est.ops_per_micro_batch, micro_batches=c.accumulate, precision=c.precision,
                       param_bytes=est.state["parameters"], grad_bytes=est.state["gradients"],
                       state_bytes=est.state["optimizer_state"], offloaded=est.offloaded, paged_spill=0,
-                      host_state=est.host_state, device=profile)
+                      host_state=est.host_state, device=profile, flop_classes=est.flop_classes)
 
 
 def test_two_hand_made_candidates_are_ordered_by_the_profiles_terms():

@@ -52,7 +52,8 @@ def test_a_hit_is_the_same_estimate_as_a_fresh_trace(cache_on, monkeypatch):
     assert after["misses"] - before["misses"] == 1 and after["hits"] - before["hits"] == 1
     for est in (first, second):
         assert est.peak == fresh.peak and est.breakdown == fresh.breakdown and est.phases == fresh.phases
-        assert est.flops == fresh.flops and est.state == fresh.state
+        assert est.flops == fresh.flops and est.state == fresh.state and est.flop_classes == fresh.flop_classes
+        assert est.flop_classes and sum(est.flop_classes.values()) == est.flops
     assert "read from the trace cache" in second.method and "read from the trace cache" not in first.method
     assert len(list(cache_on.glob("*/*.json"))) == 1
 

@@ -304,8 +304,20 @@ def test_extrapolation_depths_align_with_the_pattern(length, every, checkpointin
 def test_flops_match_flop_counter_on_a_real_step_and_include_recompute():
     model = small_gpt()
     x, y = lm_batch(2, 32, 512)
-    with FlopCounterMode(display=False) as counter:
+    # torch's registry has no formula for the CPU flash attention kernel that SDPA runs here (the trace counts it,
+    # memwrap.memory.tracing.flop_classes.flop_formulas): the reference gives it torch's own formulas for the CUDA one.
+    from torch.utils import flop_counter
+
+    aten = torch.ops.aten
+    cpu_flash = {aten._scaled_dot_product_flash_attention_for_cpu:
+                 lambda q, k, v, *_, **__: flop_counter.sdpa_flop_count(q, k, v),
+                 aten._scaled_dot_product_flash_attention_for_cpu_backward:
+                 lambda g, q, k, v, *_, **__: flop_counter.sdpa_backward_flop_count(g, q, k, v)}
+    with FlopCounterMode(display=False) as uncounted:
         lm_loss(model(x), y).backward()
+    with FlopCounterMode(display=False, custom_mapping=cpu_flash) as counter:
+        lm_loss(model(x), y).backward()
+    assert counter.get_total_flops() > uncounted.get_total_flops()  # the model's attention runs that kernel
     plain = estimate(small_gpt(), (x, y))
     recompute = estimate(small_gpt(), (x, y), checkpoint="full")
     assert plain.flops_per_micro_batch == counter.get_total_flops()

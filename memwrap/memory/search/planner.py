@@ -702,7 +702,7 @@ def _candidate(spec: dict, options: dict, est: Estimate, margin: Margin, budget:
                        offloaded=est.offloaded,
                        # paged state spills what the budget leaves free beyond peak + margin (memwrap.memory.search.cost)
                        paged_spill=max(0, est.paged_state - max(0, budget - est.peak - margin.of(est.peak))),
-                       host_state=est.host_state, device=profile)
+                       host_state=est.host_state, device=profile, flop_classes=est.flop_classes)
     extra = margin.of(est.peak)
     others = {k: v for k, v in _wrap_options(spec, options).items()
               if k not in ("precision", "accumulate", "checkpoint", "optim", *TRACE_ONLY_OPTIONS)}

@@ -50,7 +50,8 @@ from torch.utils._pytree import tree_flatten
 
 from memwrap.memory.tracing.disk_cache import remember
 from memwrap.memory.tracing.trace import (
-    NOT_WRAP_OPTIONS, SegmentMixin, Stack, TraceResult, _offload_to_host, _precision, _state, _to_fake, default_loss, drive_step, truncated,
+    NOT_WRAP_OPTIONS, SegmentMixin, Stack, TraceResult, _offload_to_host, _precision, _state, _to_fake, default_loss, drive_step,
+    per_micro_batch, truncated,
 )
 from memwrap.errors import closest_hint
 from memwrap.plugin.registry import create_optimizer
@@ -361,7 +362,7 @@ def run_fsdp2_trace(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Ca
     del batches, wmodel, wopt, inner, fmodel
     ops = (tracker.ops["forward"] + tracker.ops["backward"]) // n_mb
     return TraceResult(tracker.segments, state, tracker.flops // n_mb, ops, [], n_mb, depth,
-                       time.perf_counter() - start)
+                       time.perf_counter() - start, flop_classes=per_micro_batch(tracker.flop_classes, n_mb))
 
 
 # ----------------------------------------------------------------------------- DDP

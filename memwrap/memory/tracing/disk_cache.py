@@ -327,7 +327,7 @@ def _dump(trace: Any) -> dict:
             "method": trace.method, "seconds": trace.seconds, "world_size": trace.world_size,
             "strategy": trace.strategy, "stack": trace.stack,
             "param_dtype": str(trace.param_dtype).removeprefix("torch.") if trace.param_dtype is not None else None,
-            "workspace": trace.workspace}
+            "workspace": trace.workspace, "flop_classes": trace.flop_classes}
 
 
 def _load(data: dict, optimizer: Any, kinds: tuple[type, type]) -> Any:
@@ -338,7 +338,8 @@ def _load(data: dict, optimizer: Any, kinds: tuple[type, type]) -> Any:
     return Trace(segments, {k: int(v) for k, v in data["state"].items()}, int(data["flops"]), int(data["ops"]),
                  [tuple(t) for t in data["top_modules"]], int(data["micro_batches"]), optimizer,
                  data["method"] + "; read from the trace cache", float(data["seconds"]), int(data["world_size"]),
-                 data["strategy"], data["stack"], dtype, data["workspace"])
+                 data["strategy"], data["stack"], dtype, data["workspace"],
+                 {c: int(v) for c, v in data.get("flop_classes", {}).items()})
 
 
 def _path(key: str) -> Path:

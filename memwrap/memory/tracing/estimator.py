@@ -37,6 +37,7 @@ from memwrap.memory.tracing.depth import extrapolation_depths
 from memwrap.memory.tracing.trace import TRACE_ONLY_OPTIONS, Segment, Stack, TraceResult, find_stack, run_trace
 from memwrap.memory.tracing import parallel
 from memwrap.memory.tracing.disk_cache import cached
+from memwrap.memory.tracing.flop_classes import merge
 from memwrap.memory.tracing.workspace import (Workspace, check_option as check_workspace_option,
                                               enabled as workspace_enabled)
 from memwrap.config.options import parse_options
@@ -109,6 +110,7 @@ class Trace:
     stack: str | None = None  # the repeated block stack (FSDP2 shards each of its blocks)
     param_dtype: torch.dtype | None = None  # the precision's storage dtype (bf16-true: bf16), None: the model's
     workspace: dict[str, dict] = dataclasses.field(default_factory=dict)  # measured kernel workspaces (TraceResult's)
+    flop_classes: dict[str, int] = dataclasses.field(default_factory=dict)  # per micro-batch (TraceResult's)
 
 
 def _optimizer_factory(name: str | None):
@@ -164,7 +166,9 @@ def _extrapolate(ta: TraceResult, tb: TraceResult, a: int, b: int, n: int, stack
     state = {k: _lin(ta.state_bytes[k], tb.state_bytes[k], a, b, n) for k in tb.state_bytes}
     flops = _lin(ta.flops, tb.flops, a, b, n)
     ops = _lin(ta.ops, tb.ops, a, b, n)
-    return segments, state, flops, ops
+    # Each class is affine in the depth as the total is (a class met at one depth only is 0 at the other).
+    classes = merge(ta.flop_classes, tb.flop_classes, lambda va, vb: max(0, _lin(va, vb, a, b, n)))
+    return segments, state, flops, ops, classes
 
 
 def trace_config(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Callable | None,
@@ -233,16 +237,17 @@ def _trace_config(model, make_batch, loss_fn, options, optimizer, extrapolate, s
             ta = tb = None  # the model's forward depends on its depth: trace it whole
         if tb is not None:
             n = stack.length
-            segments, state, flops, ops = _extrapolate(ta, tb, a, b, n, stack)
+            segments, state, flops, ops, classes = _extrapolate(ta, tb, a, b, n, stack)
             top = _collapse(tb.top_modules, stack)
             method = f"extrapolated from traces with {a} and {b} of {n} blocks ({stack.name})"
             return Trace(segments, state, flops, ops, top, tb.micro_batches, optimizer, method,
-                         time.perf_counter() - start, stack=stack.name, workspace=tb.workspace)
+                         time.perf_counter() - start, stack=stack.name, workspace=tb.workspace,
+                         flop_classes=classes)
     tr = runner(model, make_batch, loss_fn, options, factory, stack=stack)
     segments = {k_: dataclasses.replace(s, where=_rename(s.where, None, None, None)) for k_, s in tr.segments.items()}
     return Trace(segments, tr.state_bytes, tr.flops, tr.ops, _collapse(tr.top_modules, stack), tr.micro_batches,
                  optimizer, "full trace", time.perf_counter() - start, stack=stack.name if stack else None,
-                 workspace=tr.workspace)
+                 workspace=tr.workspace, flop_classes=dict(tr.flop_classes))
 
 
 def in_backward_options(options: dict[str, Any], optimizer: Any) -> dict[str, Any]:
@@ -359,6 +364,8 @@ class Estimate:
         state: persistent bytes (parameters, buffers, gradients, optimizer_state).
         top_modules: ``(module, bytes)`` of forward activations, largest first (stack blocks once, ``.*``).
         flops: per optimizer update (all micro-batches), recompute included.
+        flop_classes: the same FLOPs by matmul dtype and size class (``{"bf16@181": ...}``; see
+            :mod:`memwrap.memory.tracing.flop_classes`), which the cost model rates per class.
         offloaded: most host bytes holding offloaded activations at any time of the step.
         paged_state: optimizer state in CUDA unified memory (an optimizer whose spec says
             ``state_location="paged"``, e.g. bitsandbytes' paged AdamW): not in ``peak``/``breakdown``. It uses
@@ -403,6 +410,9 @@ class Estimate:
     # {"bytes": largest transient at the op, "kept": largest workspace output kept for backward, "calls", "kind":
     # "fit" (checked on a held-out size) or "bound" (no fit held: an upper bound)}. Empty when turned off.
     workspace: dict[str, dict] = dataclasses.field(default_factory=dict)
+    # ``flops`` by matmul dtype and size, "<dtype>@<size>" (memwrap.memory.tracing.flop_classes): what the cost
+    # model rates at the device's speed for that size. Empty for a trace stored before the classes existed.
+    flop_classes: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def host(self) -> int:
@@ -494,7 +504,8 @@ def finish(trace: Trace, options: dict[str, Any], optimizer: str) -> Estimate:
                     offloaded=max((s.host for s in trace.segments.values()), default=0),
                     method=trace.method, seconds=trace.seconds, world_size=trace.world_size,
                     strategy=trace.strategy, stack=trace.stack, paged_state=paged, host_state=host,
-                    workspace=dict(trace.workspace))
+                    workspace=dict(trace.workspace),
+                    flop_classes={c: v * accumulate for c, v in trace.flop_classes.items()})
 
 
 def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn: Callable | None = None,

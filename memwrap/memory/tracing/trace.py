@@ -32,6 +32,7 @@ from memwrap.memory.tracing.stack import Stack, find_stack, truncated
 from memwrap.precision.base import get_precision
 from memwrap.runtime.outputs import map_outputs
 import memwrap.memory.tracing.fake_kernels  # noqa: F401  fake kernels the trace needs (MoE grouped_mm in fp32)
+from memwrap.memory.tracing.flop_classes import flop_class, flop_formulas
 from memwrap.memory.tracing.grad_accumulation import InPlaceAccumulation
 from memwrap.memory.tracing.workspace import Workspace, probe_device
 
@@ -98,6 +99,8 @@ class TraceResult:
     # ops given a measured kernel workspace: name -> {"bytes": largest transient, "kept": largest placeholder output
     # resized, "calls", "kind": "fit" | "bound"} (see memwrap.memory.tracing.workspace)
     workspace: dict[str, dict] = dataclasses.field(default_factory=dict)
+    # ``flops`` by matmul dtype and size, "<dtype>@<size>" (memwrap.memory.tracing.flop_classes), per micro-batch
+    flop_classes: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def _is_bw() -> bool:
@@ -131,9 +134,8 @@ class SegmentMixin:
         self.stage = "forward"  # set by the driver: "forward", "backward", "optimizer"
         self.ops = {"forward": 0, "backward": 0, "optimizer": 0}
         self.flops = 0
-        from torch.utils.flop_counter import flop_registry
-
-        self._flop_registry = flop_registry
+        self.flop_classes: dict[str, int] = {}  # the same FLOPs by matmul dtype and size (flop_classes.py)
+        self._flop_registry = flop_formulas()  # torch's formulas and the CPU flash attention kernel's
         # The engine's in-place gradient accumulation, which the dispatch mode itself turns off (observer effect).
         self.accumulation = InPlaceAccumulation()
         # Kernel workspaces the dispatcher never sees, measured on the device (run_trace sets it; None: not modelled).
@@ -153,11 +155,14 @@ class SegmentMixin:
         call = func if self.workspace is None else self.workspace.wrap(func, args, kwargs)
         res = super().__torch_dispatch__(call, types, args, kwargs)
         self.accumulation.made(res)
-        # torch's own FLOP formulas (FlopCounterMode's registry); FlopCounterMode itself is not
-        # used because its module tracking keeps checkpoint-recomputed tensors alive.
+        # torch's own FLOP formulas (FlopCounterMode's registry, plus the CPU flash attention kernel's); FlopCounterMode
+        # itself is not used because its module tracking keeps checkpoint-recomputed tensors alive.
         count = self._flop_registry.get(func._overloadpacket)
         if count is not None and res is not NotImplemented:
-            self.flops += int(count(*args, **(kwargs or {}), out_val=res))
+            n = int(count(*args, **(kwargs or {}), out_val=res))
+            self.flops += n
+            cls = flop_class(func, args, res)
+            self.flop_classes[cls] = self.flop_classes.get(cls, 0) + n
         return res
 
     def current(self) -> tuple[int, dict[str, int], int]:
@@ -349,7 +354,13 @@ def run_trace(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Callable
         tracker.workspace.emit()  # outside the block above, which silences the traced code's warnings
     ops = (tracker.ops["forward"] + tracker.ops["backward"]) // n_mb
     return TraceResult(tracker.segments, state, total_flops // n_mb, ops, top, n_mb, depth,
-                       time.perf_counter() - start, dict(tracker.workspace.used) if tracker.workspace else {})
+                       time.perf_counter() - start, dict(tracker.workspace.used) if tracker.workspace else {},
+                       per_micro_batch(tracker.flop_classes, n_mb))
+
+
+def per_micro_batch(classes: dict[str, int], n_mb: int) -> dict[str, int]:
+    """A tracker's FLOPs by class over ``n_mb`` traced micro-batches, per micro-batch (as ``flops`` is)."""
+    return {c: v // n_mb for c, v in sorted(classes.items())}
 
 
 def _home(model: nn.Module) -> str:
