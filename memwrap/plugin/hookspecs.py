@@ -109,3 +109,21 @@ def memwrap_loss_heads() -> list:
     dependencies (``matches`` should look at ``sys.modules`` rather than import a framework). An exception
     raised here or in ``matches`` is reported as a warning naming the plugin; the other adapters remain usable.
     """
+
+
+@hookspec
+def memwrap_trace_inputs() -> list:
+    """Return the trace-input adapters this plugin provides, for :func:`memwrap.estimate`.
+
+    :return: a list (possibly empty) of :class:`memwrap.memory.tracing.trace_inputs.TraceInputSpec`: a ``name``
+        and ``unused(model, kwargs) -> dict[str, str]``, the keyword inputs of a real batch that the real step
+        would not pass on to the model's kernels because of their values (e.g. an all-ones ``attention_mask``
+        that transformers drops for SDPA), each with why. The trace leaves them out of the traced call, which
+        cannot read values, and keeps them in the batch.
+
+    Called once per estimate of a real dict batch. All results are collected (not ``firstresult``); an input named
+    by any adapter is left out. ``unused`` must be cheap (types, config, and reductions of the batch's small
+    tensors), must not run the model, must not import heavy optional dependencies (look at ``sys.modules``), and
+    must not change anything. An exception raised here or in ``unused`` is reported as a warning naming the
+    plugin, and counts as leaving nothing out.
+    """

@@ -38,6 +38,7 @@ from memwrap.memory.tracing.trace import TRACE_ONLY_OPTIONS, Segment, Stack, Tra
 from memwrap.memory.tracing import parallel
 from memwrap.memory.tracing.disk_cache import cached
 from memwrap.memory.tracing.flop_classes import merge
+from memwrap.memory.tracing.trace_inputs import adapt_batch
 from memwrap.memory.tracing.workspace import (Workspace, check_option as check_workspace_option,
                                               enabled as workspace_enabled)
 from memwrap.config.options import parse_options
@@ -565,6 +566,9 @@ def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn:
         if refused:
             raise ValueError(refused[opt_name])
     module = resolve_model(model)
+    # Inputs the real step does not pass on because of their values (an all-ones attention_mask under SDPA), which
+    # the fake trace cannot read: left out of the traced call (memwrap.memory.tracing.trace_inputs).
+    batch, notes = (batch, []) if callable(batch) and not isinstance(batch, torch.Tensor) else adapt_batch(module, batch)
     make_batch = resolve_batch(batch)
     traced = opt_name if get_optimizer_spec(opt_name).runs_on_fake else None
     # The loop's shape and the workspace switch travel with the traced options (not wrap() options).
@@ -572,4 +576,5 @@ def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn:
     trace = trace_config(module, make_batch, loss_fn, in_backward_options(options, opt_name), traced,
                          extrapolate=extrapolate, world_size=world_size, strategy=strategy)
     trace = derive(trace, opt_name, module, workspace=workspace)
-    return finish(trace, options, opt_name)
+    est = finish(trace, options, opt_name)
+    return dataclasses.replace(est, method="; ".join([est.method, *notes])) if notes else est

@@ -469,12 +469,16 @@ def _explain_data_dependence():
 def _to_fake(batch: Any, mode, device: torch.device) -> Any:
     from torch._subclasses.fake_tensor import FakeTensor
 
+    made: dict[int, torch.Tensor] = {}  # a tensor the batch holds twice ({"input_ids": ids, "labels": ids}) is one
+
     def convert(t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, FakeTensor) and t.device == device:
             return t
-        # Only metadata matters; a batch on another device (CUDA) is traced on the fake device.
-        with mode:
-            return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+        if id(t) not in made:
+            # Only metadata matters; a batch on another device (CUDA) is traced on the fake device.
+            with mode:
+                made[id(t)] = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+        return made[id(t)]
 
     return tree_map_only(torch.Tensor, convert, batch)
 

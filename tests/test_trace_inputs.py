@@ -1,0 +1,122 @@
+"""Inputs the real step does not pass on because of their values (memwrap/memory/tracing/trace_inputs.py and the
+built-in plugins/trace_inputs/hf.py): an all-ones attention_mask of a Hugging Face SDPA model is traced as the real
+step runs it (no mask), measured against the allocator's peak of the real step; everything else keeps its mask."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memwrap
+from memwrap.memory.measure import measure_peak
+from memwrap.memory.tracing.trace_inputs import TraceInputSpec, adapt_batch
+from memwrap.plugin.manager import get_plugin_manager, hookimpl, plugin_errors
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+transformers = pytest.importorskip("transformers")
+
+B, T, V = 4, 64, 256
+
+
+def _llama(attn="sdpa"):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * T,
+                                   attn_implementation=attn)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _batch(mask=None, **extra):
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(0))
+    out = {"input_ids": ids, "labels": ids.clone(), **extra}
+    if mask is not None:
+        out["attention_mask"] = mask
+    return out
+
+
+def _close(est, factory, batch, **opts):
+    got = measure_peak(factory, batch, **opts)["peak"]
+    return abs(est.peak - got) / got
+
+
+@pytest.mark.parametrize("options", [{}, {"accumulate": 2}, {"precision": "bf16"},
+                                     {"precision": "bf16", "checkpoint": "full"}])
+def test_an_all_ones_mask_is_traced_as_transformers_runs_it_under_sdpa(options):
+    ones = torch.ones(B, T, dtype=torch.long)
+    est = memwrap.estimate(_llama, _batch(ones), **options)
+    none = memwrap.estimate(_llama, _batch(), **options)
+    # The same step as no mask, with the mask itself still held by the batch; and so is the real step.
+    assert est.peak == none.peak + ones.nbytes
+    assert "attention_mask not passed to the traced model: all ones" in str(est) and "hf-sdpa-mask" in est.method
+    real = measure_peak(_llama, _batch(ones), **options)["peak"]
+    assert real - measure_peak(_llama, _batch(), **options)["peak"] == ones.nbytes
+    if not options.get("precision"):  # (this small Llama's bf16 step is -0.8% either way; checkpointed +2.3%)
+        assert abs(est.peak - real) / real < 1e-4  # was +4.3%: a float mask per layer kept for backward
+
+
+def test_a_padded_mask_is_kept_and_the_estimate_still_matches():
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, T // 2:] = 0  # padding: the real step builds the 4-D mask too
+    est = memwrap.estimate(_llama, _batch(mask))
+    assert "not passed" not in str(est)
+    assert est.peak > memwrap.estimate(_llama, _batch()).peak + mask.nbytes
+    assert _close(est, _llama, _batch(mask)) < 1e-3
+
+
+def test_eager_attention_and_position_ids_keep_the_mask():
+    ones = torch.ones(B, T, dtype=torch.long)
+    eager = memwrap.estimate(lambda: _llama("eager"), _batch(ones))  # eager attention always applies its mask
+    assert "not passed" not in str(eager)
+    assert _close(eager, lambda: _llama("eager"), _batch(ones)) < 1e-3
+    pos = torch.arange(T).expand(B, T)
+    kept = adapt_batch(_llama(), _batch(ones, position_ids=pos))
+    assert kept[1] == [] and isinstance(kept[0], dict)
+
+
+class Masked(torch.nn.Module):
+    """Not a Hugging Face model: it applies the mask it is given, ones or not (as the real step does)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.out = torch.nn.Embedding(V, 64), torch.nn.Linear(64, V)
+
+    def forward(self, input_ids, attention_mask, labels):
+        h = self.emb(input_ids).unflatten(-1, (4, 16)).transpose(1, 2)
+        mask = attention_mask.bool()[:, None, None, :].expand(-1, 1, T, -1)
+        h = torch.nn.functional.scaled_dot_product_attention(h, h, h, attn_mask=mask)
+        logits = self.out(h.transpose(1, 2).flatten(-2))
+        return {"loss": torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
+def test_a_model_that_is_not_hugging_faces_keeps_its_mask():
+    batch = _batch(torch.ones(B, T, dtype=torch.long))
+    assert adapt_batch(Masked(), batch) == (batch, [])
+    est = memwrap.estimate(Masked, batch)
+    assert "not passed" not in str(est)
+    assert _close(est, Masked, batch) < 1e-3
+
+
+def test_a_batch_holding_one_tensor_twice_counts_it_once():
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(0))
+    shared = memwrap.estimate(_llama, {"input_ids": ids, "labels": ids})
+    apart = memwrap.estimate(_llama, {"input_ids": ids, "labels": ids.clone()})
+    assert apart.peak - shared.peak == ids.nbytes
+    assert _close(shared, _llama, {"input_ids": ids, "labels": ids}) < 1e-4
+
+
+def test_a_failing_adapter_is_warned_about_and_leaves_nothing_out():
+    class Broken:
+        @hookimpl
+        def memwrap_trace_inputs(self):
+            return [TraceInputSpec("broken", lambda model, kwargs: 1 / 0)]
+
+    pm = get_plugin_manager()
+    pm.register(Broken(), name="test_broken_trace_inputs")
+    try:
+        batch = _batch(torch.ones(B, T, dtype=torch.long))
+        with pytest.warns(Warning, match="broken"):
+            call, notes = adapt_batch(_llama(), batch)
+        assert list(call.kwargs) == ["input_ids", "labels"] and len(notes) == 1  # the built-in one still works
+        assert any(e.name == "test_broken_trace_inputs" for e in plugin_errors())
+    finally:
+        pm.unregister(name="test_broken_trace_inputs")
