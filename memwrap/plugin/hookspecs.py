@@ -115,7 +115,7 @@ def memwrap_loss_heads() -> list:
 def memwrap_trace_inputs() -> list:
     """Return the trace-input adapters this plugin provides, for :func:`memwrap.estimate`.
 
-    :return: a list (possibly empty) of :class:`memwrap.memory.tracing.trace_inputs.TraceInputSpec`: a ``name``
+    :return: a list (possibly empty) of :class:`memwrap.memory.tracing.unread_inputs.TraceInputSpec`: a ``name``
         and ``unused(model, kwargs) -> dict[str, str]``, the keyword inputs of a real batch that the real step
         would not pass on to the model's kernels because of their values (e.g. an all-ones ``attention_mask``
         that transformers drops for SDPA), each with why. The trace leaves them out of the traced call, which

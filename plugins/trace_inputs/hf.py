@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import sys
 
-from memwrap.memory.tracing.trace_inputs import TraceInputSpec, is_real
 from memwrap.plugin.manager import hookimpl
 
 # mask input -> the inputs that, given with it, make transformers take another path when the mask is left out
@@ -39,6 +38,9 @@ def _sdpa_model(model) -> bool:
 
 
 def _unused(model, kwargs: dict) -> dict[str, str]:
+    # import cost: the planner package; plugins load with `import memwrap`, and only an estimate calls this.
+    from memwrap.memory.tracing.unread_inputs import is_real
+
     if not _sdpa_model(model):
         return {}
     out = {}
@@ -53,4 +55,7 @@ def _unused(model, kwargs: dict) -> dict[str, str]:
 
 @hookimpl
 def memwrap_trace_inputs():
+    # import cost: the planner package; plugins load with `import memwrap`, which must not load the planner.
+    from memwrap.memory.tracing.unread_inputs import TraceInputSpec
+
     return [TraceInputSpec("hf-sdpa-mask", _unused)]

@@ -38,7 +38,7 @@ from memwrap.memory.tracing.trace import TRACE_ONLY_OPTIONS, Segment, Stack, Tra
 from memwrap.memory.tracing import parallel
 from memwrap.memory.tracing.disk_cache import cached
 from memwrap.memory.tracing.flop_classes import merge
-from memwrap.memory.tracing.trace_inputs import adapt_batch
+from memwrap.memory.tracing.unread_inputs import adapt_batch
 from memwrap.memory.tracing.workspace import (Workspace, check_option as check_workspace_option,
                                               enabled as workspace_enabled)
 from memwrap.config.options import parse_options
@@ -567,7 +567,7 @@ def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn:
             raise ValueError(refused[opt_name])
     module = resolve_model(model)
     # Inputs the real step does not pass on because of their values (an all-ones attention_mask under SDPA), which
-    # the fake trace cannot read: left out of the traced call (memwrap.memory.tracing.trace_inputs).
+    # the fake trace cannot read: left out of the traced call (memwrap.memory.tracing.unread_inputs).
     batch, notes = (batch, []) if callable(batch) and not isinstance(batch, torch.Tensor) else adapt_batch(module, batch)
     make_batch = resolve_batch(batch)
     traced = opt_name if get_optimizer_spec(opt_name).runs_on_fake else None

@@ -1,4 +1,4 @@
-"""Inputs the real step does not pass on because of their values (memwrap/memory/tracing/trace_inputs.py and the
+"""Inputs the real step does not pass on because of their values (memwrap/memory/tracing/unread_inputs.py and the
 built-in plugins/trace_inputs/hf.py): an all-ones attention_mask of a Hugging Face SDPA model is traced as the real
 step runs it (no mask), measured against the allocator's peak of the real step; everything else keeps its mask."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 import memwrap
 from memwrap.memory.measure import measure_peak
-from memwrap.memory.tracing.trace_inputs import TraceInputSpec, adapt_batch
+from memwrap.memory.tracing.unread_inputs import TraceInputSpec, adapt_batch
 from memwrap.plugin.manager import get_plugin_manager, hookimpl, plugin_errors
 
 pytestmark = pytest.mark.filterwarnings("ignore")

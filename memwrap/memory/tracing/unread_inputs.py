@@ -70,7 +70,7 @@ def is_real(t: Any) -> bool:
 def _validate(result: Any) -> list[TraceInputSpec]:
     if not isinstance(result, (list, tuple)) or not all(isinstance(s, TraceInputSpec) for s in result):
         raise PluginContractError("memwrap_trace_inputs must return a list of "
-                                  f"memwrap.memory.tracing.trace_inputs.TraceInputSpec, got {result!r}")
+                                  f"memwrap.memory.tracing.unread_inputs.TraceInputSpec, got {result!r}")
     return list(result)
 
 
