@@ -69,7 +69,7 @@ def test_eager_attention_and_position_ids_keep_the_mask():
     assert _close(eager, lambda: _llama("eager"), _batch(ones)) < 1e-3
     pos = torch.arange(T).expand(B, T)
     kept = adapt_batch(_llama(), _batch(ones, position_ids=pos))
-    assert kept[1] == [] and isinstance(kept[0], dict)
+    assert kept[1:] == ([], ()) and isinstance(kept[0], dict)
 
 
 class Masked(torch.nn.Module):
@@ -90,7 +90,7 @@ class Masked(torch.nn.Module):
 
 def test_a_model_that_is_not_hugging_faces_keeps_its_mask():
     batch = _batch(torch.ones(B, T, dtype=torch.long))
-    assert adapt_batch(Masked(), batch) == (batch, [])
+    assert adapt_batch(Masked(), batch) == (batch, [], ())
     est = memwrap.estimate(Masked, batch)
     assert "not passed" not in str(est)
     assert _close(est, Masked, batch) < 1e-3
@@ -115,8 +115,9 @@ def test_a_failing_adapter_is_warned_about_and_leaves_nothing_out():
     try:
         batch = _batch(torch.ones(B, T, dtype=torch.long))
         with pytest.warns(Warning, match="broken"):
-            call, notes = adapt_batch(_llama(), batch)
-        assert list(call.kwargs) == ["input_ids", "labels"] and len(notes) == 1  # the built-in one still works
+            call, notes, adjust = adapt_batch(_llama(), batch)
+        # the built-in adapter still works: the mask left out, and the fake copy run without a mask
+        assert list(call.kwargs) == ["input_ids", "labels"] and len(notes) == 2 and adjust == ("hf-sdpa-mask",)
         assert any(e.name == "test_broken_trace_inputs" for e in plugin_errors())
     finally:
         pm.unregister(name="test_broken_trace_inputs")

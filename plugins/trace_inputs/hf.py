@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import sys
 
+import torch
+
 from memwrap.plugin.manager import hookimpl
 
 # mask input -> the inputs that, given with it, make transformers take another path when the mask is left out
@@ -53,9 +55,55 @@ def _unused(model, kwargs: dict) -> dict[str, str]:
     return out
 
 
+# Families checked to build their masks with transformers.masking_utils and to run attention through
+# ALL_ATTENTION_FUNCTIONS (a registered implementation replaces SDPA's there and nowhere else).
+_NO_MASK_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "mixtral", "bart")
+# inputs that, given, may make the real step build a mask (packed sequences, a cache's offsets, a 4-D mask)
+_MASKING_INPUTS = ("position_ids", "decoder_position_ids", "past_key_values", "cache_position",
+                   "encoder_outputs", "inputs_embeds", "decoder_inputs_embeds")
+TRACE_SDPA = "memwrap_trace_sdpa"
+
+
+def _no_mask(model, kwargs: dict) -> str:
+    """The real step runs SDPA with no mask when no mask input has a zero, nothing hints at packed sequences or a
+    cache, and the sequence is shorter than any sliding window: transformers then skips its mask (its checks read
+    values). On fake tensors its packed-sequence check on the position ids it builds cannot read them and keeps the
+    mask, and with it GQA repeats keys and values (+7.7% on a Llama-3-8B-shaped model at 1 x 8192 without a cache)."""
+    from memwrap.memory.tracing.unread_inputs import is_real  # import cost: the planner package (see below)
+
+    if not _sdpa_model(model) or getattr(model.config, "model_type", None) not in _NO_MASK_FAMILIES:
+        return ""
+    if any(kwargs.get(k) is not None for k in _MASKING_INPUTS):
+        return ""
+    ids = [kwargs.get(k) for k in ("input_ids", "decoder_input_ids", "labels")]
+    if not ids[0] is not None or not is_real(ids[0]):
+        return ""
+    for name in _MASKS:
+        mask = kwargs.get(name)
+        if mask is not None and (not is_real(mask) or mask.dim() != 2 or not bool((mask == 1).all())):
+            return ""
+    window = getattr(model.config, "sliding_window", None)
+    longest = max(t.shape[-1] for t in ids if isinstance(t, torch.Tensor))
+    if window and longest >= window:
+        return ""
+    return ("no padding, no packed positions, no sliding window reached: the real step gives SDPA no mask, so the "
+            "trace's copy of the model runs transformers' SDPA attention registered without a mask function")
+
+
+def _run_without_mask(fake) -> None:
+    # transformers' own extension point: an attention implementation registered by name (its SDPA function), for
+    # which masking_utils has no mask function and so builds none. Only the trace's fake copy is switched to it.
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if TRACE_SDPA not in AttentionInterface._global_mapping:
+        AttentionInterface.register(TRACE_SDPA, sdpa_attention_forward)
+    fake.set_attn_implementation(TRACE_SDPA)
+
+
 @hookimpl
 def memwrap_trace_inputs():
     # import cost: the planner package; plugins load with `import memwrap`, which must not load the planner.
     from memwrap.memory.tracing.unread_inputs import TraceInputSpec
 
-    return [TraceInputSpec("hf-sdpa-mask", _unused)]
+    return [TraceInputSpec("hf-sdpa-mask", _unused, decide=_no_mask, adjust=_run_without_mask)]

@@ -49,6 +49,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from memwrap.memory.tracing.disk_cache import remember
+from memwrap.memory.tracing.unread_inputs import adjust_fake_model
 from memwrap.memory.tracing.trace import (
     NOT_WRAP_OPTIONS, SegmentMixin, Stack, TraceResult, _offload_to_host, _precision, _state, _to_fake, default_loss, drive_step,
     per_micro_batch, truncated,
@@ -318,6 +319,7 @@ def run_fsdp2_trace(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Ca
     wrap_opts["accumulate"] = n_mb
     precision = _precision(options)
     fmodel = _meta_copy(model, stack, depth)
+    adjust_fake_model(fmodel, options.get("fake_adjust", ()))  # as the real step would run for the batch's values
     # As run_trace: the precision's storage dtype (bf16-true: bf16 weights) is applied before the optimizer exists,
     # and here before sharding too, so FSDP2 shards (and all-gathers) the dtype training uses.
     precision.convert_module(fmodel)

@@ -568,11 +568,14 @@ def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn:
     module = resolve_model(model)
     # Inputs the real step does not pass on because of their values (an all-ones attention_mask under SDPA), which
     # the fake trace cannot read: left out of the traced call (memwrap.memory.tracing.unread_inputs).
-    batch, notes = (batch, []) if callable(batch) and not isinstance(batch, torch.Tensor) else adapt_batch(module, batch)
+    batch, notes, adjust = ((batch, [], ()) if callable(batch) and not isinstance(batch, torch.Tensor)
+                            else adapt_batch(module, batch))
     make_batch = resolve_batch(batch)
     traced = opt_name if get_optimizer_spec(opt_name).runs_on_fake else None
     # The loop's shape and the workspace switch travel with the traced options (not wrap() options).
     options = {**wrap_options, "keep_outputs": keep_outputs, "workspace": workspace}
+    if adjust:  # the fake copy runs as the real step would for this batch's values (unread_inputs.adjust_fake_model)
+        options["fake_adjust"] = adjust
     trace = trace_config(module, make_batch, loss_fn, in_backward_options(options, opt_name), traced,
                          extrapolate=extrapolate, world_size=world_size, strategy=strategy)
     trace = derive(trace, opt_name, module, workspace=workspace)

@@ -33,6 +33,7 @@ from memwrap.precision.base import get_precision
 import memwrap.memory.tracing.fake_kernels  # noqa: F401  fake kernels the trace needs (MoE grouped_mm in fp32)
 from memwrap.memory.tracing.flop_classes import flop_class, flop_formulas
 from memwrap.memory.tracing.grad_accumulation import InPlaceAccumulation
+from memwrap.memory.tracing.unread_inputs import adjust_fake_model
 from memwrap.memory.tracing.workspace import Workspace, probe_device
 
 __all__ = ["CATEGORIES", "NOT_WRAP_OPTIONS", "TRACE_ONLY_OPTIONS", "Stack", "TraceResult", "find_stack", "fake_model", "output_bytes", "truncated", "run_trace", "split_batch", "default_loss"]  # noqa: the last two re-exported from batch.py
@@ -40,7 +41,7 @@ __all__ = ["CATEGORIES", "NOT_WRAP_OPTIONS", "TRACE_ONLY_OPTIONS", "Stack", "Tra
 # Keys of a traced configuration that are not wrap() options: the optimizer's registry name, wrap-time objects, and
 # the loop's shape (whether it keeps the model's outputs through backward; see drive_step).
 # The trace-only keys (the loop's shape, the workspace switch) are left out of an Estimate's options too.
-TRACE_ONLY_OPTIONS = ("keep_outputs", "workspace")
+TRACE_ONLY_OPTIONS = ("keep_outputs", "workspace", "fake_adjust")
 NOT_WRAP_OPTIONS = ("optim", "monitor", "count_items", *TRACE_ONLY_OPTIONS)
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries", "other")
 _CAT = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers", _MemRefType.GRAD: "gradients",
@@ -316,6 +317,7 @@ def run_trace(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Callable
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fmodel = fake_model(model, mode, dev, stack, depth)
     fmodel.train()
+    adjust_fake_model(fmodel, options.get("fake_adjust", ()))
     with mode, warnings.catch_warnings(), _offload_to_host():
         warnings.simplefilter("ignore")
         precision = _precision(options)

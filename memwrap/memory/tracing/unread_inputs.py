@@ -35,7 +35,7 @@ from memwrap.memory.tracing.batch import Call
 from memwrap.plugin.calls import FieldRule, call_hook, guard_fields
 from memwrap.plugin.manager import PluginContractError
 
-__all__ = ["TraceInputSpec", "trace_input_adapters", "adapt_batch", "is_real"]
+__all__ = ["TraceInputSpec", "trace_input_adapters", "adapt_batch", "adjust_fake_model", "is_real"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,11 @@ class TraceInputSpec:
 
     name: str
     unused: Callable[[nn.Module, dict], dict]
+    # Optional: ``decide(model, kwargs) -> str`` says, from the real batch, whether the trace's fake copy of the model
+    # (never the user's) must be run differently to take the real step's path (a note saying why, or ""); ``adjust(
+    # fake_model)`` then does it inside the trace.
+    decide: Callable[[nn.Module, dict], str] | None = None
+    adjust: Callable[[nn.Module], None] | None = None
 
 
 def is_real(t: Any) -> bool:
@@ -65,6 +70,10 @@ def is_real(t: Any) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and t.device.type != "meta"
+
+
+def _check_decide(result: Any) -> str | None:
+    return None if isinstance(result, str) else f"decide() must return a note (str, '' for none), got {result!r}"
 
 
 def _validate(result: Any) -> list[TraceInputSpec]:
@@ -87,30 +96,56 @@ def trace_input_adapters() -> list[TraceInputSpec]:
         >>> [s.name for s in trace_input_adapters()]  # doctest: +SKIP
         ['hf-sdpa-mask']
     """
-    rules = {"unused": FieldRule(check=_check, fallback=lambda failure: {})}
+    rules = {"unused": FieldRule(check=_check, fallback=lambda failure: {}),
+             "decide": FieldRule(check=_check_decide, fallback=lambda failure: "")}
     return [guard_fields(spec, r.plugin, spec.name, rules)
             for r in call_hook("memwrap_trace_inputs", validate=_validate,
                                consequence="Its trace-input adapters are unavailable.")
             for spec in r.result]
 
 
-def adapt_batch(model: nn.Module, batch: Any) -> tuple[Any, list[str]]:
-    """``(batch to trace, notes)``: a dict ``batch`` whose inputs an adapter says the real step leaves out becomes
-    ``Call((), kwargs without them, batch)`` (the targets keep the whole batch, so every tensor stays alive and
-    counted as the loop's batch variable holds it); anything else comes back unchanged, with no notes.
+def adapt_batch(model: nn.Module, batch: Any) -> tuple[Any, list[str], tuple[str, ...]]:
+    """``(batch to trace, notes, adjustments)``: a dict ``batch`` whose inputs an adapter says the real step leaves
+    out becomes ``Call((), kwargs without them, batch)`` (the targets keep the whole batch, so every tensor stays
+    alive and counted as the loop's batch variable holds it); ``adjustments`` names the adapters whose ``adjust``
+    the trace applies to its fake copy of the model (:func:`adjust_fake_model`). Anything else comes back unchanged,
+    with no notes and no adjustments.
 
     Example:
-        >>> adapt_batch(torch.nn.Linear(2, 2), torch.ones(1, 2))[1]
-        []
+        >>> adapt_batch(torch.nn.Linear(2, 2), torch.ones(1, 2))[1:]
+        ([], ())
     """
     if not isinstance(batch, dict) or not any(is_real(v) for v in batch.values()):
-        return batch, []
+        return batch, [], ()
     unused: dict[str, str] = {}
+    notes, adjust = [], []
     for spec in trace_input_adapters():
         for name, why in spec.unused(model, dict(batch)).items():
             if name in batch:
                 unused.setdefault(name, f"{why} ({spec.name})")
-    if not unused:
-        return batch, []
-    kwargs = {k: v for k, v in batch.items() if k not in unused}
-    return Call((), kwargs, batch), [f"{name} not passed to the traced model: {why}" for name, why in unused.items()]
+        if spec.decide is not None and spec.adjust is not None:
+            note = spec.decide(model, dict(batch))
+            if note:
+                notes.append(f"{note} ({spec.name})")
+                adjust.append(spec.name)
+    notes = [f"{name} not passed to the traced model: {why}" for name, why in unused.items()] + notes
+    if unused:
+        batch = Call((), {k: v for k, v in batch.items() if k not in unused}, batch)
+    return batch, notes, tuple(adjust)
+
+
+def adjust_fake_model(fake: nn.Module, names: tuple[str, ...] | list[str]) -> None:
+    """Apply the ``adjust`` of the adapters ``names`` (from :func:`adapt_batch`) to the trace's fake copy ``fake``.
+
+    Example:
+        >>> adjust_fake_model(torch.nn.Linear(2, 2), ())  # nothing named: nothing done
+    """
+    if not names:
+        return
+    by_name = {s.name: s for s in trace_input_adapters()}
+    for name in names:
+        spec = by_name.get(name)
+        if spec is None or spec.adjust is None:
+            raise RuntimeError(f"the trace-input adapter {name!r} that decided to adjust the fake model is gone. "
+                               "Fix: trace again in the same process.")
+        spec.adjust(fake)
