@@ -90,3 +90,16 @@ def test_a_cycle_ends_the_walk():
     a = {"t": torch.zeros(1)}
     a["self"] = a
     assert len(reachable_tensors(a)) == 1
+
+
+def test_a_plan_of_a_decoder_without_a_cache_takes_the_maskless_path_too():
+    """plan()'s batches are made under the fake mode (no values); with no mask input the decision needs none."""
+    def make(mb):
+        ids = torch.randint(0, V, (mb, T), generator=torch.Generator().manual_seed(0))
+        return {"input_ids": ids, "labels": ids}
+
+    p = memwrap.plan(_llama(4, use_cache=False), make, budget="1GiB", global_batch=4, precisions=("fp32",),
+                     checkpoints=(None,), optimizers=("adamw",), step_in_backward=(False,), chunked_loss=(False,))
+    best = p.candidates[0]
+    got = measure_peak(_llama(4, use_cache=False), make(best.micro_batch), accumulate=best.accumulate)["peak"]
+    assert abs(best.estimate.peak - got) / got < 1e-4

@@ -76,7 +76,7 @@ def _no_mask(model, kwargs: dict) -> str:
     if any(kwargs.get(k) is not None for k in _MASKING_INPUTS):
         return ""
     ids = [kwargs.get(k) for k in ("input_ids", "decoder_input_ids", "labels")]
-    if not ids[0] is not None or not is_real(ids[0]):
+    if not isinstance(ids[0], torch.Tensor):  # only their shapes matter: plan()'s fake batches decide too
         return ""
     for name in _MASKS:
         mask = kwargs.get(name)

@@ -26,6 +26,7 @@ from torch import nn
 from memwrap.memory.budget import format_bytes, parse_budget, unit_for
 from memwrap.memory.search.cost import DeviceProfile, cost_terms, device_profile
 from memwrap.memory.tracing.estimator import Estimate, derive, finish, resolve_model, trace_config
+from memwrap.memory.tracing.unread_inputs import planned_adjustments
 from memwrap.memory.tracing.trace import TRACE_ONLY_OPTIONS
 from memwrap.memory.tracing import disk_cache
 from memwrap.memory.margin import Margin
@@ -494,6 +495,7 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
                repr(s["chunked_loss"]), s["compensation"])
         groups.setdefault(key, []).append(s)
     traces: dict[tuple, Any] = cache["traces"]
+    adjusted: dict[int, tuple[str, ...]] = {}  # micro-batch -> the fake copy's adjustments (decided once each)
     skipped: list[tuple[str, str]] = list(refused)
     groups, pruned = prune_by_weights(groups, module, budget_bytes, margin_, ranks)  # memwrap.memory.search.techniques
     skipped += pruned
@@ -536,6 +538,10 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
         if key[3]:
             options["step_in_backward"] = True
         options["keep_outputs"] = keep_outputs  # the loop's shape (not a wrap() option; finish() sets it apart)
+        if mb not in adjusted:  # the trace's fake copy runs as the real step would (memory.tracing.unread_inputs)
+            adjusted[mb] = planned_adjustments(module, lambda mb_=mb: make_batch(mb_))[0]
+        if adjusted[mb]:
+            options["fake_adjust"] = adjusted[mb]
         # The user's optimizer (a built-in, usually) is traced first: a plugin's failure then only skips its own rows.
         fake_runnable = sorted((m["optim"] for m in members if get_optimizer_spec(m["optim"]).runs_on_fake),
                                key=lambda o: o != keep)

@@ -35,7 +35,7 @@ from memwrap.memory.tracing.batch import Call
 from memwrap.plugin.calls import FieldRule, call_hook, guard_fields
 from memwrap.plugin.manager import PluginContractError
 
-__all__ = ["TraceInputSpec", "trace_input_adapters", "adapt_batch", "adjust_fake_model", "is_real"]
+__all__ = ["TraceInputSpec", "trace_input_adapters", "adapt_batch", "planned_adjustments", "adjust_fake_model", "is_real"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +132,31 @@ def adapt_batch(model: nn.Module, batch: Any) -> tuple[Any, list[str], tuple[str
     if unused:
         batch = Call((), {k: v for k, v in batch.items() if k not in unused}, batch)
     return batch, notes, tuple(adjust)
+
+
+def planned_adjustments(model: nn.Module, make_batch: Callable[[], Any]) -> tuple[tuple[str, ...], list[str]]:
+    """``(adjustments, notes)`` for a batch the planner makes under the fake mode (``plan()``'s ``make_batch(mb)``):
+    the adapters decide on its shapes alone (a mask input without values makes them decide nothing). The batch is
+    made under a fake mode of its own: nothing is allocated.
+
+    Example:
+        >>> planned_adjustments(torch.nn.Linear(2, 2), lambda: {"x": torch.ones(1, 2)})
+        ((), [])
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        batch = make_batch()
+    if not isinstance(batch, dict):
+        return (), []
+    names, notes = [], []
+    for spec in trace_input_adapters():
+        if spec.decide is not None and spec.adjust is not None:
+            note = spec.decide(model, dict(batch))
+            if note:
+                names.append(spec.name)
+                notes.append(f"{note} ({spec.name})")
+    return tuple(names), notes
 
 
 def adjust_fake_model(fake: nn.Module, names: tuple[str, ...] | list[str]) -> None:
