@@ -39,20 +39,20 @@ def _sdpa_model(model) -> bool:
     return getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa"
 
 
-def _unused(model, kwargs: dict) -> dict[str, str]:
+def _all_ones(mask) -> bool:
+    """A real 2-D padding mask with no zero (the values are read: a fake one is never all ones here)."""
     # import cost: the planner package; plugins load with `import memwrap`, and only an estimate calls this.
     from memwrap.memory.tracing.unread_inputs import is_real
 
+    return is_real(mask) and mask.dim() == 2 and bool((mask == 1).all())
+
+
+def _unused(model, kwargs: dict) -> dict[str, str]:
     if not _sdpa_model(model):
         return {}
-    out = {}
-    for name, blockers in _MASKS.items():
-        mask = kwargs.get(name)
-        if not is_real(mask) or mask.dim() != 2 or any(kwargs.get(b) is not None for b in blockers):
-            continue
-        if bool((mask == 1).all()):
-            out[name] = "all ones, which transformers gives SDPA as no mask (on fake tensors it would build the mask)"
-    return out
+    return {name: "all ones, which transformers gives SDPA as no mask (on fake tensors it would build the mask)"
+            for name, blockers in _MASKS.items()
+            if _all_ones(kwargs.get(name)) and all(kwargs.get(b) is None for b in blockers)}
 
 
 # Families measured exact with it against the allocator (benchmarks/zoo.py, tests/test_held_outputs.py): they build
@@ -70,8 +70,6 @@ def _no_mask(model, kwargs: dict) -> str:
     cache, and the sequence is shorter than any sliding window: transformers then skips its mask (its checks read
     values). On fake tensors its packed-sequence check on the position ids it builds cannot read them and keeps the
     mask, and with it GQA repeats keys and values (+7.7% on a Llama-3-8B-shaped model at 1 x 8192 without a cache)."""
-    from memwrap.memory.tracing.unread_inputs import is_real  # import cost: the planner package (see below)
-
     if not _sdpa_model(model) or getattr(model.config, "model_type", None) not in _NO_MASK_FAMILIES:
         return ""
     if any(kwargs.get(k) is not None for k in _MASKING_INPUTS):
@@ -79,10 +77,8 @@ def _no_mask(model, kwargs: dict) -> str:
     ids = [kwargs.get(k) for k in ("input_ids", "decoder_input_ids", "labels")]
     if not isinstance(ids[0], torch.Tensor):  # only their shapes matter: plan()'s fake batches decide too
         return ""
-    for name in _MASKS:
-        mask = kwargs.get(name)
-        if mask is not None and (not is_real(mask) or mask.dim() != 2 or not bool((mask == 1).all())):
-            return ""
+    if any(kwargs.get(name) is not None and not _all_ones(kwargs.get(name)) for name in _MASKS):
+        return ""
     window = getattr(model.config, "sliding_window", None)
     longest = max(t.shape[-1] for t in ids if isinstance(t, torch.Tensor))
     if window and longest >= window:

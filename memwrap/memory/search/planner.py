@@ -539,7 +539,7 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
             options["step_in_backward"] = True
         options["keep_outputs"] = keep_outputs  # the loop's shape (not a wrap() option; finish() sets it apart)
         if mb not in adjusted:  # the trace's fake copy runs as the real step would (memory.tracing.unread_inputs)
-            adjusted[mb] = planned_adjustments(module, lambda mb_=mb: make_batch(mb_))[0]
+            adjusted[mb] = planned_adjustments(module, lambda mb_=mb: make_batch(mb_))
         if adjusted[mb]:
             options["fake_adjust"] = adjusted[mb]
         # The user's optimizer (a built-in, usually) is traced first: a plugin's failure then only skips its own rows.

@@ -568,8 +568,7 @@ def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn:
     module = resolve_model(model)
     # Inputs the real step does not pass on because of their values (an all-ones attention_mask under SDPA), which
     # the fake trace cannot read: left out of the traced call (memwrap.memory.tracing.unread_inputs).
-    batch, notes, adjust = ((batch, [], ()) if callable(batch) and not isinstance(batch, torch.Tensor)
-                            else adapt_batch(module, batch))
+    batch, notes, adjust = adapt_batch(module, batch)  # a batch factory or a non-dict batch: unchanged
     make_batch = resolve_batch(batch)
     traced = opt_name if get_optimizer_spec(opt_name).runs_on_fake else None
     # The loop's shape and the workspace switch travel with the traced options (not wrap() options).

@@ -48,17 +48,15 @@ def _tensors(args: Any) -> list[torch.Tensor]:
     return [a for a in args if isinstance(a, torch.Tensor)]
 
 
+# matmul op -> the position of its left operand among its tensor arguments (addmm/baddbmm take the bias first)
+_LEFT = {"mm": 0, "_scaled_mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1}
+
+
 def _gemm(name: str, args: tuple, out: Any) -> tuple[int, int, int] | None:
     """``(m, k, n)`` of one of the op's GEMMs, or None where the op's shape is not read here."""
     ts = _tensors(args)
-    if name in ("mm", "_scaled_mm") and len(ts) >= 2:
-        a, b = ts[0], ts[1]
-    elif name == "addmm" and len(ts) >= 3:
-        a, b = ts[1], ts[2]
-    elif name == "bmm" and len(ts) >= 2:
-        a, b = ts[0], ts[1]
-    elif name == "baddbmm" and len(ts) >= 3:
-        a, b = ts[1], ts[2]
+    if name in _LEFT and len(ts) >= _LEFT[name] + 2:
+        a, b = ts[_LEFT[name]], ts[_LEFT[name] + 1]
     elif "convolution" in name or name == "_slow_conv2d_forward":
         # As an implicit GEMM: rows = output positions, depth = a filter's inputs, columns = output channels.
         # convolution_backward(grad_output, input, weight, ...): grad_output has the forward output's shape.

@@ -465,8 +465,7 @@ def reachable_tensors(obj: Any, limit: int = 100_000) -> list[torch.Tensor]:
     found, seen, stack = [], set(), [obj]
     while stack and len(seen) < limit:
         o = stack.pop()
-        if id(o) in seen or o is None or isinstance(o, (str, bytes, int, float, bool, type, nn.Module)) or callable(o) \
-                and not isinstance(o, torch.Tensor):
+        if id(o) in seen or o is None or isinstance(o, (str, bytes, int, float, bool, type, nn.Module)) or callable(o):
             continue
         seen.add(id(o))
         if isinstance(o, torch.Tensor):

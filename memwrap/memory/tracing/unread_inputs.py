@@ -18,9 +18,9 @@ Only dict batches (``model(**batch)``, as Hugging Face loops and Trainer call th
 
 Example:
     >>> import torch
-    >>> call, notes = adapt_batch(torch.nn.Linear(2, 2), {"x": torch.ones(1, 2)})
-    >>> isinstance(call, dict), notes  # not a model any adapter knows: unchanged
-    (True, [])
+    >>> call, notes, adjust = adapt_batch(torch.nn.Linear(2, 2), {"x": torch.ones(1, 2)})
+    >>> isinstance(call, dict), notes, adjust  # not a model any adapter knows: unchanged
+    (True, [], ())
 """
 from __future__ import annotations
 
@@ -117,46 +117,47 @@ def adapt_batch(model: nn.Module, batch: Any) -> tuple[Any, list[str], tuple[str
     """
     if not isinstance(batch, dict) or not any(is_real(v) for v in batch.values()):
         return batch, [], ()
+    specs = trace_input_adapters()
     unused: dict[str, str] = {}
-    notes, adjust = [], []
-    for spec in trace_input_adapters():
+    for spec in specs:
         for name, why in spec.unused(model, dict(batch)).items():
             if name in batch:
                 unused.setdefault(name, f"{why} ({spec.name})")
-        if spec.decide is not None and spec.adjust is not None:
-            note = spec.decide(model, dict(batch))
-            if note:
-                notes.append(f"{note} ({spec.name})")
-                adjust.append(spec.name)
-    notes = [f"{name} not passed to the traced model: {why}" for name, why in unused.items()] + notes
+    adjust, decided = _decisions(specs, model, batch)
+    notes = [f"{name} not passed to the traced model: {why}" for name, why in unused.items()] + decided
     if unused:
         batch = Call((), {k: v for k, v in batch.items() if k not in unused}, batch)
-    return batch, notes, tuple(adjust)
+    return batch, notes, adjust
 
 
-def planned_adjustments(model: nn.Module, make_batch: Callable[[], Any]) -> tuple[tuple[str, ...], list[str]]:
-    """``(adjustments, notes)`` for a batch the planner makes under the fake mode (``plan()``'s ``make_batch(mb)``):
-    the adapters decide on its shapes alone (a mask input without values makes them decide nothing). The batch is
-    made under a fake mode of its own: nothing is allocated.
-
-    Example:
-        >>> planned_adjustments(torch.nn.Linear(2, 2), lambda: {"x": torch.ones(1, 2)})
-        ((), [])
-    """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        batch = make_batch()
-    if not isinstance(batch, dict):
-        return (), []
+def _decisions(specs: list[TraceInputSpec], model: nn.Module, batch: dict) -> tuple[tuple[str, ...], list[str]]:
+    """The adapters whose ``decide`` says the fake copy must be adjusted for ``batch``, and their notes."""
     names, notes = [], []
-    for spec in trace_input_adapters():
+    for spec in specs:
         if spec.decide is not None and spec.adjust is not None:
             note = spec.decide(model, dict(batch))
             if note:
                 names.append(spec.name)
                 notes.append(f"{note} ({spec.name})")
     return tuple(names), notes
+
+
+def planned_adjustments(model: nn.Module, make_batch: Callable[[], Any]) -> tuple[str, ...]:
+    """The adjustments (:func:`adjust_fake_model`) for a batch the planner makes under the fake mode (``plan()``'s
+    ``make_batch(mb)``): the adapters decide on its shapes alone (a mask input without values makes them decide
+    nothing). The batch is made under a fake mode of its own: nothing is allocated.
+
+    Example:
+        >>> planned_adjustments(torch.nn.Linear(2, 2), lambda: {"x": torch.ones(1, 2)})
+        ()
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        batch = make_batch()
+    if not isinstance(batch, dict):
+        return ()
+    return _decisions(trace_input_adapters(), model, batch)[0]
 
 
 def adjust_fake_model(fake: nn.Module, names: tuple[str, ...] | list[str]) -> None:
