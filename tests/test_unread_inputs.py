@@ -121,3 +121,29 @@ def test_a_failing_adapter_is_warned_about_and_leaves_nothing_out():
         assert any(e.name == "test_broken_trace_inputs" for e in plugin_errors())
     finally:
         pm.unregister(name="test_broken_trace_inputs")
+
+
+def test_budget_plans_a_step_with_an_all_ones_mask_as_the_real_step_runs_it(monkeypatch):
+    # budget= plans on the loop's first real batch, so the all-ones mask is decided on its values: the step it budgets
+    # is the one that runs. With the adapter off (the mask traced) each layer keeps a float mask.
+    ones = torch.ones(B, T, dtype=torch.long)
+
+    def budgeted():
+        model = _llama()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        wmodel, wopt, loader = memwrap.wrap(model, opt, [_batch(ones) for _ in range(2)], budget="4GiB")
+        batch = next(iter(loader))
+        wmodel(**batch).loss.backward()
+        wopt.step()
+        wopt.zero_grad()
+        assert wopt.did_update
+        return wopt.budget_plan.current
+
+    choice = budgeted()
+    assert (choice.micro_batch, choice.accumulate, choice.precision, choice.checkpoint) == (B, 1, "fp32", None)
+    real = measure_peak(_llama, _batch(ones))["peak"]
+    assert abs(choice.peak - real) / real < 1e-3, (choice.peak, real)
+    adapter = get_plugin_manager().get_plugin("trace_inputs_hf")  # the built-in adapter module
+    monkeypatch.setattr(adapter, "_sdpa_model", lambda model: False)
+    masked = budgeted()
+    assert masked.peak > choice.peak + ones.nbytes  # the masks the real step never builds

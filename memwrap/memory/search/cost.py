@@ -8,6 +8,7 @@ model keeps the terms that differ between candidates and one reference device, a
                 FLOPs[c] / (peak_flops * mfu * speed[dtype of c, size of c])
     launches  = micro-batches per update * dispatched ops per micro-batch (from the trace) * launch_s
     optimizer = (2 * parameter bytes + gradient bytes + 2 * optimizer-state bytes) / hbm_bytes_s
+                (on the calibrated CPU profile: the candidate's step timed there, memwrap.memory.search.step_timing)
     offload   = 2 * offloaded bytes / pcie_bytes_s      (out in forward, back in backward; no overlap assumed)
     paging    = 2 * spilled paged-state bytes / pcie_bytes_s  (paged optimizer state that does not fit in the
                 device memory left free is paged in for the step and out again; all of it when nothing is free)
@@ -34,7 +35,8 @@ matmul taken off each call (that per-call cost is the ``launches`` term's; on a 
 0.08x fp32 at 32^3 and 7.3x at 512^3, so one calibration size mis-rates a small model's matmuls), ``launch_s`` the
 measured time per dispatched op of a tiny MLP stack's forward + backward (the op mix of a training step on tensors too
 small for the work to count), ``hbm_bytes_s`` the measured bandwidth of a large
-elementwise add, and ``pcie_bytes_s`` the same bandwidth (host and "device" memory are one on a CPU: an offload
+elementwise add (the optimizer term is not rated by it there: each candidate's step is timed, because a CPU's bf16
+step converts every element and runs slower than fp32's although it touches fewer bytes), and ``pcie_bytes_s`` the same bandwidth (host and "device" memory are one on a CPU: an offload
 is a copy). It is measured once per process and thread count (about 0.1 s); with ``MEMWRAP_CALIBRATE=0`` in the
 environment, or ``cpu_profile(calibrate=False)``, the fixed :data:`CPU_FIXED` is used instead. How well it orders
 real CPU steps: ``docs/benchmarks/rank_check.md`` (``benchmarks/rank_check.py``).
@@ -96,6 +98,9 @@ class DeviceProfile:
     pcie_bytes_s: float
     source: str = ""
     size_speed: Mapping[str, Mapping[int, float]] = dataclasses.field(default_factory=dict)
+    # The optimizer term timed on this machine (memwrap.memory.search.step_timing) instead of its bandwidth form:
+    # the calibrated CPU profile, where the step runs in this process.
+    time_steps: bool = False
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "mfu", "launch_s", "hbm_bytes_s", "pcie_bytes_s"):
@@ -240,7 +245,7 @@ def _calibrated(threads: int, size: int, reps: int) -> DeviceProfile:
                          hbm_bytes_s=bandwidth, pcie_bytes_s=bandwidth,
                          source=f"calibrated on this machine ({threads} thread{'s' * (threads > 1)}, {size}^3 matmuls, "
                                 f"by size {SIZE_SPEED_SIDES[0]}^3 to {SIZE_SPEED_SIDES[-1]}^3, best of {reps})",
-                         size_speed=_size_speed(g, reps, rates["fp32"]))
+                         size_speed=_size_speed(g, reps, rates["fp32"]), time_steps=True)
 
 
 def calibrate_cpu(*, size: int = 256, reps: int = 3) -> DeviceProfile:

@@ -25,6 +25,7 @@ from torch import nn
 
 from memwrap.memory.budget import format_bytes, parse_budget, unit_for
 from memwrap.memory.search.cost import DeviceProfile, cost_terms, device_profile
+from memwrap.memory.search.step_timing import optimizer_seconds
 from memwrap.memory.tracing.estimator import Estimate, derive, finish, resolve_model, trace_config
 from memwrap.memory.tracing.unread_inputs import planned_adjustments
 from memwrap.memory.tracing.trace import TRACE_ONLY_OPTIONS
@@ -600,7 +601,7 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
                                 f"optimizer {m['optim']!r} ({_origin(m['optim'])}) failed: {type(exc).__name__}: "
                                 f"{exc}"))
                 continue
-            results.append(_candidate(m, options, est, margin_, budget_bytes, profile))
+            results.append(_candidate(m, options, est, margin_, budget_bytes, profile, module, ranks))
             c = results[-1]
             # Paged state spills less under a smaller peak (its cost term falls with checkpointing): no bound there.
             if m["checkpoint"] is None and c.fits and not est.paged_state and not est.offloaded:
@@ -701,7 +702,7 @@ def _origin(optim: str) -> str:
 
 
 def _candidate(spec: dict, options: dict, est: Estimate, margin: Margin, budget: int,
-               profile: DeviceProfile | None = None) -> Candidate:
+               profile: DeviceProfile | None = None, module: nn.Module | None = None, ranks: int = 1) -> Candidate:
     terms = cost_terms(flops=est.flops, ops=est.ops_per_micro_batch, micro_batches=options["accumulate"],
                        precision=spec["precision"], param_bytes=est.state["parameters"],
                        grad_bytes=est.state["gradients"], state_bytes=est.state["optimizer_state"],
@@ -709,6 +710,13 @@ def _candidate(spec: dict, options: dict, est: Estimate, margin: Margin, budget:
                        # paged state spills what the budget leaves free beyond peak + margin (memwrap.memory.search.cost)
                        paged_spill=max(0, est.paged_state - max(0, budget - est.peak - margin.of(est.peak))),
                        host_state=est.host_state, device=profile, flop_classes=est.flop_classes)
+    if profile is not None and profile.time_steps and module is not None:
+        # The step timed on this machine (memwrap.memory.search.step_timing); the bandwidth form where it cannot run.
+        timed = optimizer_seconds(_wrap_options(spec, {**options, "precision": spec["precision"],
+                                                       "optim": spec["optim"]}),
+                                  module, ranks, sharded=est.strategy == "fsdp2")
+        if timed is not None:
+            terms["optimizer"] = timed
     extra = margin.of(est.peak)
     others = {k: v for k, v in _wrap_options(spec, options).items()
               if k not in ("precision", "accumulate", "checkpoint", "optim", *TRACE_ONLY_OPTIONS)}
