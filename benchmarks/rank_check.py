@@ -172,7 +172,8 @@ def a100_seconds(c: Any, budget: int) -> float:
                           precision=c.precision, param_bytes=est.state["parameters"],
                           grad_bytes=est.state["gradients"], state_bytes=est.state["optimizer_state"],
                           offloaded=est.offloaded, paged_spill=max(0, est.paged_state - max(0, budget - est.peak)),
-                          host_state=est.host_state, device=A100, flop_classes=est.flop_classes).values())
+                          host_state=est.host_state, device=A100, flop_classes=est.flop_classes,
+                          op_stats=est.op_stats).values())
 
 
 def bandwidth_step(c: Any, profile: Any) -> float:
@@ -266,7 +267,7 @@ def run_workload(name: str, w: dict, k: int, reps: int) -> dict:
     for c, r in zip(top, rows):
         if r["measured_s"] is not None:  # what one dispatched op really cost: the part of the forward + backward
             # that the compute term does not explain, per op the trace counted (diagnostic for the launches term)
-            r["effective_op_s"] = ((r["measured_fwd_bwd_s"] - r["terms"]["compute"])
+            r["effective_op_s"] = ((r["measured_fwd_bwd_s"] - r["terms"]["compute"] - r["terms"].get("traffic", 0))
                                    / (c.accumulate * c.estimate.ops_per_micro_batch))
     ok = [r for r in rows if r["measured_s"] is not None]
     rho = spearman([r["predicted_s"] for r in ok], [r["measured_s"] for r in ok])
@@ -295,7 +296,8 @@ def run_workload(name: str, w: dict, k: int, reps: int) -> dict:
         split = (f" (fwd+bwd {r['measured_fwd_bwd_s'] * 1e3:.1f}, step {r['measured_optimizer_s'] * 1e3:.1f})"
                  if r["measured_s"] is not None else "")
         print(f"  {r['label']:<32} predicted {r['predicted_s'] * 1e3:7.1f} ms (compute {t['compute'] * 1e3:.1f}, "
-              f"launches {t['launches'] * 1e3:.1f}, optimizer {t['optimizer'] * 1e3:.2f})  measured {shown}{split}",
+              f"launches {t['launches'] * 1e3:.1f}, traffic {t.get('traffic', 0) * 1e3:.1f}, optimizer "
+              f"{t['optimizer'] * 1e3:.2f})  measured {shown}{split}",
               flush=True)
     print(f"  Spearman rho: cpu profile {rho:+.2f}, A100 profile {rho_a100:+.2f}; "
           + ", ".join(f"{k} {_f(v)}" for k, v in parts.items()) + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -386,7 +388,7 @@ def markdown(result: dict) -> str:
                   f"global batch {r['global_batch']}, micro-batches {r['micro_batches']}; budget "
                   f"{r['budget'] / MIB:.1f} MiB (plain peak {r['plain_peak'] / MIB:.1f} MiB); planned in "
                   f"{r['plan_s']:.0f} s.", "",
-                  "| plan rank | candidate | predicted ms (cpu) | compute / launches / optimizer ms | measured ms | "
+                  "| plan rank | candidate | predicted ms (cpu) | compute / launches / traffic / optimizer ms | measured ms | "
                   "fwd+bwd / step ms | spread ms | us per op (measured) | A100-profile ms |",
                   "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
         for i, row in enumerate(r["rows"], 1):
@@ -397,7 +399,8 @@ def markdown(result: dict) -> str:
             spread = (f"{row['spread'][0] * 1e3:.0f}-{row['spread'][1] * 1e3:.0f}" if row["spread"] else "")
             per_op = f"{row['effective_op_s'] * 1e6:.1f}" if ran else ""
             lines.append(f"| {i} | `{row['label']}` | {row['predicted_s'] * 1e3:.1f} | {t['compute'] * 1e3:.1f} / "
-                         f"{t['launches'] * 1e3:.1f} / {t['optimizer'] * 1e3:.2f} | {meas} | {split} | {spread} | "
+                         f"{t['launches'] * 1e3:.1f} / {t.get('traffic', 0) * 1e3:.1f} / {t['optimizer'] * 1e3:.2f} | "
+                         f"{meas} | {split} | {spread} | "
                          f"{per_op} | {row['a100_s'] * 1e3:.3f} |")
         lines.append("")
     lines += ["## Where the ranking is weak, and why", "", result.get("notes", "(see the tables)"), ""]

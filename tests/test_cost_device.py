@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import memwrap
 from memwrap.memory import plan
 from memwrap.memory.search import cost
 from memwrap.memory.search.cost import (A100, CPU_FIXED, DeviceProfile, calibrate_cpu, cost_terms, cpu_profile,
@@ -78,7 +79,7 @@ def test_the_default_is_the_a100_model_term_by_term():
     """Backwards compatible: no device= gives the module constants' model, exactly as before the profiles."""
     got = cost_terms(precision="fp32", **TERMS)
     want = {"compute": 3e12 / (cost.PEAK_FLOPS * cost.MFU * cost.SPEED["fp32"]),
-            "launches": 4 * 1200 * cost.LAUNCH_S,
+            "launches": 4 * 1200 * cost.LAUNCH_S, "traffic": 0.0,
             "optimizer": (2 * 40e6 + 40e6 + 2 * 80e6) / cost.HBM_BYTES_S,
             "offload": 2 * 10e6 / cost.PCIE_BYTES_S, "paging": 2 * 5e6 / cost.PCIE_BYTES_S,
             "host_state": 2 * 7e6 / cost.PCIE_BYTES_S}
@@ -87,6 +88,50 @@ def test_the_default_is_the_a100_model_term_by_term():
         assert got[k] == pytest.approx(want[k], rel=1e-12)
     assert cost_terms(precision="fp32", device=A100, **TERMS) == got
     assert step_seconds(precision="fp32", **TERMS) == pytest.approx(sum(want.values()), rel=1e-12)
+
+
+def test_views_cost_view_s_and_the_other_ops_bytes_cost_bandwidth():
+    stats = {"views": 200, "bytes": 3_000_000}
+    p = _toy(launch_s=10e-6, view_s=1e-6, hbm_bytes_s=1e10)
+    got = cost_terms(precision="fp32", device=p, op_stats=stats, **TERMS)
+    assert got["launches"] == pytest.approx(4 * (1000 * 10e-6 + 200 * 1e-6))  # 4 micro-batches of 1200 ops
+    assert got["traffic"] == pytest.approx(4 * 3e6 / 1e10)
+    # A profile without view_s (the A100's) charges a view as any op: only the traffic term is new there.
+    a100 = cost_terms(precision="fp32", op_stats=stats, **TERMS)
+    assert a100["launches"] == pytest.approx(4 * 1200 * cost.LAUNCH_S)
+    assert a100["traffic"] == pytest.approx(4 * 3e6 / cost.HBM_BYTES_S)
+    with pytest.raises(ValueError, match="view_s"):
+        _toy(view_s=0.0)
+
+
+def test_the_trace_counts_the_ops_a_real_step_dispatches():
+    """The fake trace's own metadata queries (prim.device: 912 of 1314 'ops' of a small GPT-2 before) are not ops;
+    the count equals the eager step's under a dispatch mode, and so do its views."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from memwrap.memory.tracing.op_stats import is_view
+
+    torch.manual_seed(0)
+
+    def factory():
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.GELU(),
+                                   torch.nn.Linear(32, 16))
+
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    est = memwrap.estimate(factory, (x, y), loss_fn=lambda out, t: ((out - t) ** 2).mean())
+    counts = {"ops": 0, "views": 0}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts["ops"] += func.namespace != "prim"
+            counts["views"] += is_view(func)
+            return func(*args, **(kwargs or {}))
+
+    model = factory()
+    with Count():
+        ((model(x) - y) ** 2).mean().backward()
+    assert est.ops_per_micro_batch == counts["ops"]
+    assert est.op_stats["views"] == counts["views"] and est.op_stats["bytes"] > 0
 
 
 def test_a_profile_replaces_every_constant():
@@ -188,7 +233,8 @@ def _expected(c, profile):
     return cost_terms(flops=est.flops, ops=est.ops_per_micro_batch, micro_batches=c.accumulate, precision=c.precision,
                       param_bytes=est.state["parameters"], grad_bytes=est.state["gradients"],
                       state_bytes=est.state["optimizer_state"], offloaded=est.offloaded, paged_spill=0,
-                      host_state=est.host_state, device=profile, flop_classes=est.flop_classes)
+                      host_state=est.host_state, device=profile, flop_classes=est.flop_classes,
+                      op_stats=est.op_stats)
 
 
 def test_two_hand_made_candidates_are_ordered_by_the_profiles_terms():

@@ -147,3 +147,23 @@ def test_budget_plans_a_step_with_an_all_ones_mask_as_the_real_step_runs_it(monk
     monkeypatch.setattr(adapter, "_sdpa_model", lambda model: False)
     masked = budgeted()
     assert masked.peak > choice.peak + ones.nbytes  # the masks the real step never builds
+
+
+@pytest.mark.parametrize("family", ["Qwen3", "Phi3", "Olmo2", "Starcoder2"])
+def test_the_families_added_to_the_maskless_path_are_exact_checkpointed(family):
+    # bf16 + checkpointing at 512 tokens: with the mask traced, these over-predicted by 2.4-2.7%.
+    def factory():
+        torch.manual_seed(0)
+        cfg = getattr(transformers, f"{family}Config")(
+            vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0, attn_implementation="sdpa")
+        return getattr(transformers, f"{family}ForCausalLM")(cfg)
+
+    # (Two sequences: at one, every family here, Llama included, is 2% under, 86 KiB of a 4 MiB step, not yet
+    # explained; the mask is not the cause, it is the same without one.)
+    ids = torch.randint(0, V, (2, 512), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    opts = {"precision": "bf16", "checkpoint": "auto"}
+    est = memwrap.estimate(factory, batch, **opts)
+    assert "memwrap_trace_sdpa" in est.method or "no padding" in str(est), est.method
+    assert _close(est, factory, batch, **opts) < 3e-3

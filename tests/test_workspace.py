@@ -251,3 +251,45 @@ def test_cudnn_convolution_workspaces_are_measured_on_the_gpu():
     measured = measure_peak(ConvNet, b, ce, device="cuda")["peak"]
     assert set(est.workspace) <= {"aten.convolution.default", "aten.convolution_backward.default"}
     assert abs(est.peak / measured - 1) <= TOL, (est.peak, measured, est.workspace)
+
+
+class Attention(nn.Module):
+    """One causal self-attention over 512 tokens, 4 heads of 16: small tensors, so the CPU flash-attention kernel's
+    per-thread score blocks are a large part of the step."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(64, 192), nn.Linear(64, 64)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 4, 16)).permute(2, 0, 3, 1, 4)
+        h = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25)
+        return self.out(h.transpose(1, 2).flatten(-2))
+
+
+def mse(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def test_sdpa_cpu_flash_attention_scratch_is_measured_with_its_keywords():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    b = torch.randn(2, 512, 64, generator=g), torch.randn(2, 512, 64, generator=g)
+    without = memwrap.estimate(Attention, b, loss_fn=mse, workspace=False)
+    with_ws = memwrap.estimate(Attention, b, loss_fn=mse)
+    measured = measure_peak(Attention, b, mse)["peak"]
+    sdpa = {op: row for op, row in with_ws.workspace.items() if "flash_attention" in op}
+    assert set(sdpa) == {"aten._scaled_dot_product_flash_attention_for_cpu.default",
+                         "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"}
+    assert all(row["kind"] == "fit" and row["bytes"] > 0 for row in sdpa.values())
+    assert measured / without.peak - 1 > 0.03, (without.peak, measured)  # the kernel's buffers, unseen
+    assert abs(with_ws.peak / measured - 1) < 0.01, (with_ws.peak, measured, with_ws.workspace)
+
+
+def test_an_attention_call_too_costly_to_probe_is_reported_not_probed():
+    q = torch.empty(1, 32, 2048, 128, device="meta")
+    why = W._probe_too_costly(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q))
+    assert why.startswith("not measured") and "GFLOP" in why
+    small = torch.empty(1, 4, 128, 16, device="meta")
+    assert W._probe_too_costly(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                               (small, small, small)) == ""

@@ -6,7 +6,9 @@ model keeps the terms that differ between candidates and one reference device, a
 
     compute   = sum over the trace's FLOP classes c (matmul dtype and size, recompute included) of
                 FLOPs[c] / (peak_flops * mfu * speed[dtype of c, size of c])
-    launches  = micro-batches per update * dispatched ops per micro-batch (from the trace) * launch_s
+    launches  = micro-batches per update * (kernels * launch_s + views * view_s)   (per micro-batch, from the trace:
+                dispatched ops that are views, memwrap.memory.tracing.op_stats, and the others)
+    traffic   = micro-batches per update * bytes the ops without FLOPs read and write per micro-batch / hbm_bytes_s
     optimizer = (2 * parameter bytes + gradient bytes + 2 * optimizer-state bytes) / hbm_bytes_s
                 (on the calibrated CPU profile: the candidate's step timed there, memwrap.memory.search.step_timing)
     offload   = 2 * offloaded bytes / pcie_bytes_s      (out in forward, back in backward; no overlap assumed)
@@ -21,7 +23,10 @@ ends) where the profile has a table for that dtype, else ``speed`` alone (the A1
 number per precision). A step traced before the classes existed is rated by its precision alone.
 
 ``launches`` is the micro-batch efficiency term: a small micro-batch pays the same per-kernel
-overhead for less work, so splitting a global batch into more micro-batches costs time.
+overhead for less work, so splitting a global batch into more micro-batches costs time. A view (metadata only) pays
+``view_s`` (``launch_s`` where the profile has no ``view_s``: the A100's). ``traffic`` is the work of the ops the
+compute term does not rate (elementwise ops, norms, softmax, copies, losses): bandwidth-bound, so it grows with the
+bytes, not with the count of ops; a step traced before the trace counted them has no traffic term.
 ``speed`` is the matmul throughput of a precision relative to the profile's ``peak_flops``. On the A100
 (``peak_flops`` its dense bf16 rate): fp16 1, tf32 1/2, fp32 1/16 (A100/H100 dense ratios; fp32 without TF32 runs
 on CUDA cores). A precision plugin not named there is rated by its autocast (or storage) dtype: bf16 and fp16 at
@@ -59,6 +64,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from memwrap.memory.tracing.flop_classes import flop_formulas
+from memwrap.memory.tracing.op_stats import OpStats
 
 __all__ = ["PEAK_FLOPS", "MFU", "SPEED", "LAUNCH_S", "HBM_BYTES_S", "PCIE_BYTES_S", "DeviceProfile", "A100",
            "CPU_FIXED", "SIZE_SPEED_SIDES", "cpu_profile", "calibrate_cpu", "device_profile", "class_speed",
@@ -101,12 +109,18 @@ class DeviceProfile:
     # The optimizer term timed on this machine (memwrap.memory.search.step_timing) instead of its bandwidth form:
     # the calibrated CPU profile, where the step runs in this process.
     time_steps: bool = False
+    # Seconds per view op (no kernel: metadata only); None: ``launch_s``, as for every other op.
+    view_s: float | None = None
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "mfu", "launch_s", "hbm_bytes_s", "pcie_bytes_s"):
             value = getattr(self, field)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 or value == float("inf"):
                 raise ValueError(f"DeviceProfile({self.name!r}).{field} must be a finite number > 0, got {value!r}.")
+        if self.view_s is not None and (isinstance(self.view_s, bool) or not isinstance(self.view_s, (int, float))
+                                        or not 0 < self.view_s < float("inf")):
+            raise ValueError(f"DeviceProfile({self.name!r}).view_s must be None (launch_s) or a finite number > 0, "
+                             f"got {self.view_s!r}.")
         if "fp32" not in self.speed or any(not v > 0 for v in self.speed.values()):
             raise ValueError(f"DeviceProfile({self.name!r}).speed must rate 'fp32' (the fallback) and every speed "
                              f"must be > 0, got {dict(self.speed)!r}.")
@@ -133,12 +147,15 @@ A100 = DeviceProfile("a100", PEAK_FLOPS, MFU, dict(SPEED), LAUNCH_S, HBM_BYTES_S
 # The fallback when calibration is not wanted: calibrate_cpu() on the development machine (a 2-core Xeon with AMX,
 # torch 2.13.0, 1 thread, 2026-12-03), rounded. bf16 256^3 matmuls are ~3.7x fp32's there (AMX tiles); a CPU
 # without AMX/AVX512-BF16 rates bf16 very differently: calibrate there.
-# By size: calibrate_cpu() there on 2026-12-04 (two runs, rounded).
+# By size: calibrate_cpu() there on 2026-12-04 (two runs, rounded). launch_s and view_s, per kernel op and per view
+# since the trace stopped counting fake tensors' metadata queries as ops (2026-12-06): calibrate_cpu() on a 2-core
+# AMD EPYC, three runs (8.7-11.5 us and 1.0-1.7 us), rounded; the Xeon's were not measured that way.
 _CPU_FP32_BY_SIZE = {32: 1.0, 64: 0.9, 128: 0.85, 256: 0.95, 512: 0.95}
 CPU_FIXED = DeviceProfile("cpu", peak_flops=165e9, mfu=1.0, speed={"fp32": 1.0, "tf32": 1.0, "bf16": 3.7,
                                                                    "fp16": 0.9},
-                          launch_s=4.3e-6, hbm_bytes_s=25e9, pcie_bytes_s=25e9,
-                          source="fixed defaults (calibrate_cpu() on a 2-core AMX Xeon, 1 thread, rounded)",
+                          launch_s=9e-6, view_s=1.3e-6, hbm_bytes_s=25e9, pcie_bytes_s=25e9,
+                          source="fixed defaults (calibrate_cpu() on a 2-core AMX Xeon, 1 thread, rounded; the "
+                                 "per-kernel and per-view costs on a 2-core EPYC)",
                           size_speed={"fp32": _CPU_FP32_BY_SIZE, "tf32": _CPU_FP32_BY_SIZE,
                                       "bf16": {32: 0.025, 64: 0.16, 128: 0.94, 256: 4.0, 512: 6.2},
                                       "fp16": {32: 0.025, 64: 0.15, 128: 0.5, 256: 0.92, 512: 0.96}})
@@ -155,20 +172,53 @@ def _best(fn, reps: int) -> float:
     return max(best, 1e-9)
 
 
-def _ops_of(fn) -> int:
-    """The aten ops ``fn`` dispatches (counted as the trace counts them: under a dispatch mode)."""
+def _op_mix(fn) -> tuple[int, int, int]:
+    """(ops, views, bytes the ops without FLOPs move) that ``fn`` dispatches, counted as the trace counts them
+    (memwrap.memory.tracing.op_stats; under a dispatch mode, metadata queries left out)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class Count(TorchDispatchMode):
-        n = 0
+    formulas = flop_formulas()
+    stats = OpStats()
+    ops = [0]
 
+    class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
+            res = func(*args, **(kwargs or {}))
+            if func.namespace != "prim":
+                ops[0] += 1
+                if func._overloadpacket not in formulas:
+                    stats.add(func, args, kwargs, res)
+            return res
 
     with Count():
         fn()
-    return Count.n
+    return ops[0], stats.views, stats.bytes
+
+
+def _ops_of(fn) -> int:
+    """The ops ``fn`` dispatches, counted as the trace counts them.
+
+    Example:
+        >>> _ops_of(lambda: torch.ones(2) + 1)
+        2
+    """
+    return _op_mix(fn)[0]
+
+
+def _view_seconds(reps: int) -> float:
+    """Seconds per view op: a chain of views of a small tensor, half with autograd recording them (a forward's
+    views) and half without (a backward's), averaged."""
+    x = torch.ones(16, 32, requires_grad=True)
+
+    def chain() -> None:
+        y = x
+        for _ in range(40):
+            y = y.view(32, 16).t().unsqueeze(0).squeeze(0).transpose(0, 1)
+
+    recorded = _best(chain, reps)
+    with torch.no_grad():
+        plain = _best(chain, reps)
+    return (recorded + plain) / 2 / 200
 
 
 def _tiny_step(g: torch.Generator):
@@ -231,17 +281,20 @@ def _calibrated(threads: int, size: int, reps: int) -> DeviceProfile:
     rates = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
         rates[name] = 2 * size**3 / _mm_seconds(size, dtype, g, reps)
-    # Per dispatched op: the forward + backward of a tiny pre-norm MLP stack (layer norm, linear, GELU, residual,
-    # cross-entropy), the op mix of a training step through nn.Module calls and autograd, on tensors small enough
-    # that the work itself is negligible: what an op costs beyond its FLOPs. A chain of one cheap op (x * c) reads
-    # about 3 us per op on a 2-core Xeon where this mix reads about 4.3: the mix is closer to what a step pays.
-    step = _tiny_step(g)
-    launch = _best(step, reps) / _ops_of(step)
     n = 4 * 2**20  # 16 MiB per fp32 operand: well past the caches
     a, b, out = torch.full((n,), 1.5), torch.full((n,), 0.5), torch.empty(n)  # full(): cheaper than randn
     bandwidth = 3 * 4 * n / _best(lambda: torch.add(a, b, out=out), reps)  # two reads and a write
+    # Per kernel op: the forward + backward of a tiny pre-norm MLP stack (layer norm, linear, GELU, residual,
+    # cross-entropy), the op mix of a training step through nn.Module calls and autograd, on tensors small enough
+    # that the work itself is negligible: what an op costs beyond its FLOPs, less its views (timed apart: a view
+    # is metadata only, 1-2 us where a kernel op of this mix costs 10-14 on a 2-core EPYC) and its bytes.
+    view = _view_seconds(reps)
+    step = _tiny_step(g)
+    ops, views, moved = _op_mix(step)
+    total = _best(step, reps)
+    launch = max(total - views * view - moved / bandwidth, 0.25 * total) / max(ops - views, 1)
     speed = {"fp32": 1.0, "tf32": 1.0, "bf16": rates["bf16"] / rates["fp32"], "fp16": rates["fp16"] / rates["fp32"]}
-    return DeviceProfile("cpu", peak_flops=rates["fp32"], mfu=1.0, speed=speed, launch_s=launch,
+    return DeviceProfile("cpu", peak_flops=rates["fp32"], mfu=1.0, speed=speed, launch_s=launch, view_s=view,
                          hbm_bytes_s=bandwidth, pcie_bytes_s=bandwidth,
                          source=f"calibrated on this machine ({threads} thread{'s' * (threads > 1)}, {size}^3 matmuls, "
                                 f"by size {SIZE_SPEED_SIDES[0]}^3 to {SIZE_SPEED_SIDES[-1]}^3, best of {reps})",
@@ -364,10 +417,12 @@ def class_speed(flop_class: str, precision: str, device: Any = None) -> float:
 
 def cost_terms(*, flops: float, ops: int, micro_batches: int, precision: str, param_bytes: int, grad_bytes: int,
                state_bytes: int, offloaded: int = 0, paged_spill: int = 0, host_state: int = 0,
-               device: Any = None, flop_classes: Mapping[str, int] | None = None) -> dict[str, float]:
+               device: Any = None, flop_classes: Mapping[str, int] | None = None,
+               op_stats: Mapping[str, int] | None = None) -> dict[str, float]:
     """The terms of the model in seconds (see the module docstring), on ``device`` (see :func:`device_profile`;
     default: the A100 reference GPU). ``flop_classes`` (an estimate's, the same FLOPs by matmul dtype and size)
-    rates each class at its own speed; without it, ``flops`` is rated at the precision's speed.
+    rates each class at its own speed; without it, ``flops`` is rated at the precision's speed. ``op_stats`` (an
+    estimate's, per micro-batch: ``{"views": n, "bytes": n}``) rates views at ``view_s`` and gives the traffic term.
 
     Example:
         >>> t = cost_terms(flops=0, ops=100, micro_batches=2, precision="fp32", param_bytes=0, grad_bytes=0,
@@ -376,13 +431,16 @@ def cost_terms(*, flops: float, ops: int, micro_batches: int, precision: str, pa
         200
     """
     p = device_profile(device)
+    views = min(ops, (op_stats or {}).get("views", 0))
+    view_s = p.view_s if p.view_s is not None else p.launch_s
     if flop_classes:
         compute = sum(v / (p.peak_flops * p.mfu * class_speed(c, precision, p)) for c, v in flop_classes.items())
     else:
         compute = flops / (p.peak_flops * p.mfu * _speed(precision, p))
     return {
         "compute": compute,
-        "launches": micro_batches * ops * p.launch_s,
+        "launches": micro_batches * (max(0, ops - views) * p.launch_s + views * view_s),
+        "traffic": micro_batches * (op_stats or {}).get("bytes", 0) / p.hbm_bytes_s,
         "optimizer": (2 * param_bytes + grad_bytes + 2 * state_bytes) / p.hbm_bytes_s,
         "offload": 2 * offloaded / p.pcie_bytes_s,
         "paging": 2 * paged_spill / p.pcie_bytes_s,

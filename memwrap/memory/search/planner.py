@@ -709,7 +709,8 @@ def _candidate(spec: dict, options: dict, est: Estimate, margin: Margin, budget:
                        offloaded=est.offloaded,
                        # paged state spills what the budget leaves free beyond peak + margin (memwrap.memory.search.cost)
                        paged_spill=max(0, est.paged_state - max(0, budget - est.peak - margin.of(est.peak))),
-                       host_state=est.host_state, device=profile, flop_classes=est.flop_classes)
+                       host_state=est.host_state, device=profile, flop_classes=est.flop_classes,
+                       op_stats=est.op_stats)
     if profile is not None and profile.time_steps and module is not None:
         # The step timed on this machine (memwrap.memory.search.step_timing); the bandwidth form where it cannot run.
         timed = optimizer_seconds(_wrap_options(spec, {**options, "precision": spec["precision"],

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from memwrap.plugin.registry import create_optimizer, get_optimizer_spec
+
 __all__ = ["PROBES", "optimizer_seconds", "per_tensor_and_element"]
 
 # (parameters, elements each): many small tensors give the per-tensor cost, few large ones (32 MiB of fp32 AdamW
@@ -61,8 +63,6 @@ class _Probe(nn.Module):
 def _build(optim: Any, module: nn.Module):
     """The optimizer a candidate names, over ``module``: your own as built (``AsBuilt``: its class and the first
     group's hyperparameters), else the registry's, with a learning rate where a factory needs one."""
-    from memwrap.plugin.registry import create_optimizer
-
     if callable(getattr(optim, "build", None)) and getattr(optim, "groups", None):
         hyper = dict(optim.groups[0][1])
         try:
@@ -97,8 +97,6 @@ def _time_probe(options: Mapping[str, Any], count: int, numel: int) -> tuple[flo
 
 
 def _in_backward(options: Mapping[str, Any]) -> bool:
-    from memwrap.plugin.registry import get_optimizer_spec
-
     if options.get("step_in_backward"):
         return True
     try:

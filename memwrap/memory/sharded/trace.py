@@ -364,7 +364,8 @@ def run_fsdp2_trace(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Ca
     del batches, wmodel, wopt, inner, fmodel
     ops = (tracker.ops["forward"] + tracker.ops["backward"]) // n_mb
     return TraceResult(tracker.segments, state, tracker.flops // n_mb, ops, [], n_mb, depth,
-                       time.perf_counter() - start, flop_classes=per_micro_batch(tracker.flop_classes, n_mb))
+                       time.perf_counter() - start, flop_classes=per_micro_batch(tracker.flop_classes, n_mb),
+                       op_stats=tracker.op_stats.as_dict(n_mb))
 
 
 # ----------------------------------------------------------------------------- DDP

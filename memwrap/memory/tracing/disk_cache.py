@@ -46,7 +46,7 @@ from memwrap.memory.tracing.workspace import cache_dir, enabled as workspace_ena
 
 __all__ = ["cached", "remember", "trace_key", "enabled", "folder", "stats", "session", "Uncacheable"]
 
-FORMAT = 1  # bump when the stored layout of a trace changes
+FORMAT = 2  # bump when the stored layout of a trace changes (2: op_stats)
 MAX_ENTRIES = 5000  # beyond this, the oldest entries are removed when one is added
 _stats = {"hits": 0, "misses": 0, "stored": 0, "uncacheable": 0}
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
@@ -327,7 +327,7 @@ def _dump(trace: Any) -> dict:
             "method": trace.method, "seconds": trace.seconds, "world_size": trace.world_size,
             "strategy": trace.strategy, "stack": trace.stack,
             "param_dtype": str(trace.param_dtype).removeprefix("torch.") if trace.param_dtype is not None else None,
-            "workspace": trace.workspace, "flop_classes": trace.flop_classes}
+            "workspace": trace.workspace, "flop_classes": trace.flop_classes, "op_stats": trace.op_stats}
 
 
 def _load(data: dict, optimizer: Any, kinds: tuple[type, type]) -> Any:
@@ -339,7 +339,8 @@ def _load(data: dict, optimizer: Any, kinds: tuple[type, type]) -> Any:
                  [tuple(t) for t in data["top_modules"]], int(data["micro_batches"]), optimizer,
                  data["method"] + "; read from the trace cache", float(data["seconds"]), int(data["world_size"]),
                  data["strategy"], data["stack"], dtype, data["workspace"],
-                 {c: int(v) for c, v in data.get("flop_classes", {}).items()})
+                 {c: int(v) for c, v in data.get("flop_classes", {}).items()},
+                 {c: int(v) for c, v in data.get("op_stats", {}).items()})
 
 
 def _path(key: str) -> Path:

@@ -112,6 +112,7 @@ class Trace:
     param_dtype: torch.dtype | None = None  # the precision's storage dtype (bf16-true: bf16), None: the model's
     workspace: dict[str, dict] = dataclasses.field(default_factory=dict)  # measured kernel workspaces (TraceResult's)
     flop_classes: dict[str, int] = dataclasses.field(default_factory=dict)  # per micro-batch (TraceResult's)
+    op_stats: dict[str, int] = dataclasses.field(default_factory=dict)  # per micro-batch (TraceResult's)
 
 
 def _optimizer_factory(name: str | None):
@@ -169,7 +170,8 @@ def _extrapolate(ta: TraceResult, tb: TraceResult, a: int, b: int, n: int, stack
     ops = _lin(ta.ops, tb.ops, a, b, n)
     # Each class is affine in the depth as the total is (a class met at one depth only is 0 at the other).
     classes = merge(ta.flop_classes, tb.flop_classes, lambda va, vb: max(0, _lin(va, vb, a, b, n)))
-    return segments, state, flops, ops, classes
+    stats = merge(ta.op_stats, tb.op_stats, lambda va, vb: max(0, _lin(va, vb, a, b, n)))
+    return segments, state, flops, ops, classes, stats
 
 
 def trace_config(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Callable | None,
@@ -238,17 +240,17 @@ def _trace_config(model, make_batch, loss_fn, options, optimizer, extrapolate, s
             ta = tb = None  # the model's forward depends on its depth: trace it whole
         if tb is not None:
             n = stack.length
-            segments, state, flops, ops, classes = _extrapolate(ta, tb, a, b, n, stack)
+            segments, state, flops, ops, classes, stats = _extrapolate(ta, tb, a, b, n, stack)
             top = _collapse(tb.top_modules, stack)
             method = f"extrapolated from traces with {a} and {b} of {n} blocks ({stack.name})"
             return Trace(segments, state, flops, ops, top, tb.micro_batches, optimizer, method,
                          time.perf_counter() - start, stack=stack.name, workspace=tb.workspace,
-                         flop_classes=classes)
+                         flop_classes=classes, op_stats=stats)
     tr = runner(model, make_batch, loss_fn, options, factory, stack=stack)
     segments = {k_: dataclasses.replace(s, where=_rename(s.where, None, None, None)) for k_, s in tr.segments.items()}
     return Trace(segments, tr.state_bytes, tr.flops, tr.ops, _collapse(tr.top_modules, stack), tr.micro_batches,
                  optimizer, "full trace", time.perf_counter() - start, stack=stack.name if stack else None,
-                 workspace=tr.workspace, flop_classes=dict(tr.flop_classes))
+                 workspace=tr.workspace, flop_classes=dict(tr.flop_classes), op_stats=dict(tr.op_stats))
 
 
 def in_backward_options(options: dict[str, Any], optimizer: Any) -> dict[str, Any]:
@@ -414,6 +416,9 @@ class Estimate:
     # ``flops`` by matmul dtype and size, "<dtype>@<size>" (memwrap.memory.tracing.flop_classes): what the cost
     # model rates at the device's speed for that size. Empty for a trace stored before the classes existed.
     flop_classes: dict[str, int] = dataclasses.field(default_factory=dict)
+    # The ops without FLOPs, per micro-batch (memwrap.memory.tracing.op_stats): {"views": how many are views,
+    # "bytes": what the others read and write}; the cost model charges views at their own cost, bytes at bandwidth.
+    op_stats: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def host(self) -> int:
@@ -506,7 +511,8 @@ def finish(trace: Trace, options: dict[str, Any], optimizer: str) -> Estimate:
                     method=trace.method, seconds=trace.seconds, world_size=trace.world_size,
                     strategy=trace.strategy, stack=trace.stack, paged_state=paged, host_state=host,
                     workspace=dict(trace.workspace),
-                    flop_classes={c: v * accumulate for c, v in trace.flop_classes.items()})
+                    flop_classes={c: v * accumulate for c, v in trace.flop_classes.items()},
+                    op_stats=dict(trace.op_stats))
 
 
 def estimate(model: nn.Module | Callable[[], nn.Module], batch: Any, *, loss_fn: Callable | None = None,

@@ -3,7 +3,9 @@
 Some kernels allocate memory that never passes through the dispatcher: oneDNN (mkldnn) convolutions reorder
 inputs and weights into blocked layouts, and its RNN layers return a workspace that the meta kernel sizes 0 but
 that the real kernel fills (6 MB for one LSTM layer of hidden 128 over 50 x 16 steps) and autograd keeps for
-backward. A trace on fake tensors therefore under-predicts such models (a BatchNorm conv net by ~10 %, an LSTM
+backward; the CPU flash-attention kernel behind SDPA takes per-thread blocks of scores (393 KiB in forward, about
+1 MiB in backward at 4 heads over 512 tokens on 2 threads). An attention call whose probes would cost more than
+2 GFLOP is not probed and is reported as not measured. A trace on fake tensors therefore under-predicts such models (a BatchNorm conv net by ~10 %, an LSTM
 by several times its activations).
 
 For each such op the trace meets (lazily: only ops the traced model calls), :class:`Workspace` runs the op for
@@ -209,18 +211,70 @@ def _rnn_bw_prepare(args: list) -> list:
     return args
 
 
+# The CPU flash-attention kernel (what SDPA runs on CPU without dropout) takes per-thread buffers from the CPU
+# allocator inside the kernel: measured at 4 heads of 16 over 512 tokens, 2 threads, bf16: 393 KiB in forward (one
+# block of scores per thread, the same at every batch size) and 902 KiB + 64 KiB per sample in backward. The trace
+# under-predicted a checkpointed bf16 Llama (2 layers, d 64, 1 x 512 tokens) by 2.1% there. Query, key, value (and
+# in backward the output gradient, output and logsumexp) have the batch in dimension 0; a mask keyword too when it
+# is per sample (a broadcast mask of batch 1 stays as it is).
+def _sdpa_dims(args: tuple) -> dict[int, int] | None:
+    if args[0].dim() != 4:
+        return None
+    return {0: 0, 1: 0, 2: 0}
+
+
+def _sdpa_bw_dims(args: tuple) -> dict[int, int] | None:
+    if args[0].dim() != 4:
+        return None
+    return {i: 0 for i in range(6)}
+
+
 # op -> (batch dimension of each scaled tensor argument, preparation of the real arguments or None)
 _OPS: dict[Any, tuple[Callable, Callable | None]] = {
     aten.convolution.default: (_conv_dims, None),
     aten.convolution_backward.default: (_conv_bw_dims, None),
     aten.mkldnn_rnn_layer.default: (_rnn_dims, None),
     aten.mkldnn_rnn_layer_backward.default: (_rnn_bw_dims, _rnn_bw_prepare),
+    aten._scaled_dot_product_flash_attention_for_cpu.default: (_sdpa_dims, None),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (_sdpa_bw_dims, None),
 }
+# The probes of an attention call cost 4 * batch * heads * queries * keys * head size FLOPs each: above this (at the
+# held-out batch), the call is not probed but reported as not measured. Its scratch is per-thread blocks of scores
+# (about a MiB per thread at 2048 tokens), small beside the activations of a model that large.
+_SDPA_PROBE_FLOPS = 2e9
+
+
+def _probe_too_costly(func, args: tuple) -> str:
+    """Why a call's probes would cost too much to run while planning, or ''."""
+    if func not in _KWARGS_OK:
+        return ""
+    q, k = args[0], args[1] if func is aten._scaled_dot_product_flash_attention_for_cpu.default else args[2]
+    flops = 4 * HELD_OUT * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3]
+    if flops <= _SDPA_PROBE_FLOPS:
+        return ""
+    return (f"not measured: its probes would run {flops / 1e9:.0f} GFLOP of real attention; the kernel's per-thread "
+            "score blocks (about a MiB per thread) are left out")
+
+
+# Ops whose keyword arguments (SDPA's scale and mask) are part of the call the probes repeat.
+_KWARGS_OK = frozenset({aten._scaled_dot_product_flash_attention_for_cpu.default,
+                        aten._scaled_dot_product_flash_attention_for_cpu_backward.default})
+_CPU_KERNEL = {
+    aten.mkldnn_rnn_layer.default: "oneDNN's RNN layer; there the layer runs cuDNN's RNN for an LSTM or GRU, whose "
+                                   "workspace and reserve kept for backward",
+    aten._scaled_dot_product_flash_attention_for_cpu.default: "the CPU flash-attention kernel; there SDPA runs "
+                                                              "FlashAttention or memory-efficient kernels, whose "
+                                                              "scratch",
+}
+_CPU_KERNEL[aten.mkldnn_rnn_layer_backward.default] = _CPU_KERNEL[aten.mkldnn_rnn_layer.default]
+_CPU_KERNEL[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = \
+    _CPU_KERNEL[aten._scaled_dot_product_flash_attention_for_cpu.default]
 
 
 # What a CUDA model's probes can measure: the fake trace runs on the CPU, so it records the device-neutral convolution
-# ops (on CUDA, cuDNN picks the kernel and its workspace) and oneDNN's RNN layers, which are CPU kernels: a CUDA LSTM
-# runs cuDNN's RNN instead, which the CPU trace never records (not modelled; benchmarks/gpu_check.py's zoo_cuda row).
+# ops (on CUDA, cuDNN picks the kernel and its workspace), oneDNN's RNN layers and the CPU flash-attention kernel,
+# which are CPU kernels: a CUDA LSTM runs cuDNN's RNN instead, and CUDA SDPA its own kernels, which the CPU trace
+# never records (not modelled; benchmarks/gpu_check.py's zoo_cuda row).
 _DEVICE_NEUTRAL = (aten.convolution.default, aten.convolution_backward.default)
 
 
@@ -241,6 +295,11 @@ def _flags(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         return {"cudnn": bool(torch.backends.cudnn.enabled), "benchmark": bool(torch.backends.cudnn.benchmark)}
     return {}
+
+
+def _kwarg_dims(kwargs: dict, n: int) -> dict[str, int]:
+    """The keyword tensors with the call's batch (size ``n`` > 1) in dimension 0: scaled with it in the probes."""
+    return {k: 0 for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim() and n > 1 and v.shape[0] == n}
 
 
 def _describe(x: Any, dim: int | None) -> Any:
@@ -374,27 +433,35 @@ class Workspace:
                                  "for this trace only. Fix: set MEMWRAP_CACHE_DIR to a writable folder.")
 
     # -- probing
-    def _key(self, func, args: tuple, dims: dict[int, int]) -> str:
+    def _key(self, func, args: tuple, dims: dict[int, int], kwargs: dict | None = None) -> str:
         desc = [_describe(a, dims.get(i)) for i, a in enumerate(args)]
+        if kwargs:  # (the key of a call without keywords is as it was: cached fits stay valid)
+            kdims = _kwarg_dims(kwargs, args[0].shape[dims[0]])
+            desc.append({k: _describe(v, kdims.get(k)) for k, v in sorted(kwargs.items())})
         return json.dumps([str(func), _flags(self.device), desc], separators=(",", ":"))
 
-    def _point(self, func, args: tuple, dims: dict[int, int], prepare: Callable | None, n: int) -> tuple[int, list[int]]:
+    def _point(self, func, args: tuple, dims: dict[int, int], prepare: Callable | None, n: int,
+               kwargs: dict | None = None) -> tuple[int, list[int]]:
         """One real call at batch size ``n``: (scratch bytes, numel of each output)."""
         real = [_real_like(a, dims.get(i), n, self.device) if isinstance(a, torch.Tensor) else a
                 for i, a in enumerate(args)]
+        kdims = _kwarg_dims(kwargs or {}, args[0].shape[dims[0]])
+        real_kw = {k: _real_like(v, kdims.get(k), n, self.device) if isinstance(v, torch.Tensor) else v
+                   for k, v in (kwargs or {}).items()}
         # Grad mode on, as in a training forward: mkldnn's RNN layer returns its workspace only then (else it frees it
         # inside the call). No probe tensor requires grad, so no graph is recorded.
         with torch.enable_grad():
             if prepare is not None:
                 real = prepare(real)
-            peak, out = _measure(lambda: func(*real), self.device)
+            peak, out = _measure(lambda: func(*real, **real_kw), self.device)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         return max(0, peak - _storages_bytes(out)), [o.numel() if isinstance(o, torch.Tensor) else 0 for o in outs]
 
-    def _probe(self, func, args: tuple, dims: dict[int, int], prepare: Callable | None) -> dict:
+    def _probe(self, func, args: tuple, dims: dict[int, int], prepare: Callable | None,
+               kwargs: dict | None = None) -> dict:
         _probes["count"] += 1
         start = time.perf_counter()
-        points = {n: self._point(func, args, dims, prepare, n) for n in (*FIT_SIZES, HELD_OUT)}
+        points = {n: self._point(func, args, dims, prepare, n, kwargs) for n in (*FIT_SIZES, HELD_OUT)}
         a, b = _fit([(n, points[n][0]) for n in FIT_SIZES])
         held = points[HELD_OUT][0]
         predicted = a + b * HELD_OUT
@@ -412,7 +479,7 @@ class Workspace:
                 "held_out": {"size": HELD_OUT, "measured": held, "predicted": round(predicted)},
                 "seconds": round(time.perf_counter() - start, 4)}
 
-    def fit_for(self, func, args: tuple) -> tuple[dict, int] | None:
+    def fit_for(self, func, args: tuple, kwargs: dict | None = None) -> tuple[dict, int] | None:
         """The cached or freshly measured fit for this call and the call's batch size, or None (op not modelled)."""
         spec = _OPS.get(func) if func in self.ops else None
         if spec is None:
@@ -422,18 +489,18 @@ class Workspace:
         if dims is None:
             return None
         n = args[0].shape[dims[0]]
-        key = self._key(func, args, dims)
+        key = self._key(func, args, dims, kwargs)
         fits = self._load()
         fit = fits.get(key)
         if not isinstance(fit, dict) or "scratch" not in fit:
             # The probe runs real kernels on real tensors: the trace's modes (fake, tracker) must not capture them.
             with unset_fake_temporarily(), _disable_current_modes():
-                fit = self._probe(func, args, dims, prepare)
+                fit = self._probe(func, args, dims, prepare, kwargs)
             fits[key] = fit
             self._save()
         if n < FIT_SIZES[0] and str(n) not in fit["probes"]:
             with unset_fake_temporarily(), _disable_current_modes():
-                fit["probes"][str(n)] = self._point(func, args, dims, prepare, n)[0]
+                fit["probes"][str(n)] = self._point(func, args, dims, prepare, n, kwargs)[0]
             self._save()
         return fit, n
 
@@ -444,14 +511,20 @@ class Workspace:
         A CPU-only kernel met in a trace for another device (oneDNN's RNN layer, for a model trained on CUDA, which
         runs cuDNN's RNN there) gets no term, but a row saying so: the report names what the estimate leaves out.
         """
-        if func in _OPS and func not in self.ops and not kwargs:
+        keywords_ok = not kwargs or func in _KWARGS_OK
+        if func in _OPS and func not in self.ops and keywords_ok:
             return self._unmodelled(func)
-        if func not in self.ops or kwargs:
+        if func not in self.ops or not keywords_ok:
             return func
 
         def call(*a, **k):
             res = func(*a, **k)
-            got = self.fit_for(func, a)
+            costly = _probe_too_costly(func, a)
+            if costly:
+                row = self.used.setdefault(str(func), {"bytes": 0, "calls": 0, "kept": 0, "kind": costly})
+                row["calls"] += 1
+                return res
+            got = self.fit_for(func, a, k)
             if got is None:
                 return res
             fit, n = got
@@ -483,9 +556,8 @@ class Workspace:
         def call(*a, **k):
             row = self.used.setdefault(str(func), {
                 "bytes": 0, "calls": 0, "kept": 0,
-                "kind": f"not modelled on {self.device.type} (the CPU trace records oneDNN's kernel; on "
-                        f"{self.device.type} the layer runs another, cuDNN's RNN for an LSTM or GRU, whose workspace "
-                        f"and reserve kept for backward were not measured)"})
+                "kind": f"not modelled on {self.device.type} (the CPU trace records {_CPU_KERNEL[func]} "
+                        f"were not measured)"})
             row["calls"] += 1
             return func(*a, **k)
 
