@@ -293,3 +293,30 @@ def test_an_attention_call_too_costly_to_probe_is_reported_not_probed():
     small = torch.empty(1, 4, 128, 16, device="meta")
     assert W._probe_too_costly(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
                                (small, small, small)) == ""
+
+
+def _onednn_bf16_matmul_scratch() -> int:
+    a, b = torch.randn(260, 64, dtype=torch.bfloat16), torch.randn(64, 128, dtype=torch.bfloat16)
+    held = []
+    return allocator_growth(lambda: held.append(a @ b)) - 260 * 128 * 2
+
+
+def test_16_bit_matmul_scratch_is_measured_at_each_shape_and_fp32_is_not_probed():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    b = torch.randn(4, 65, 64, generator=g), torch.randn(4, 65, 64, generator=g)
+
+    def build():
+        return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+
+    fp32 = memwrap.estimate(build, b, loss_fn=mse)
+    assert not any(op.startswith(("aten.mm", "aten.addmm")) for op in fp32.workspace)  # fp32: BLAS, nothing
+    est = memwrap.estimate(build, b, loss_fn=mse, precision="bf16")
+    measured = measure_peak(build, b, mse, precision="bf16")["peak"]
+    rows = {op: row for op, row in est.workspace.items() if op in ("aten.addmm.default", "aten.mm.default")}
+    assert rows and all(row["kind"] == "measured" for row in rows.values())
+    if _onednn_bf16_matmul_scratch() > 0:  # this CPU's bf16 matmuls take a scratchpad: the estimate now has it
+        assert max(row["bytes"] for row in rows.values()) > 0
+    assert abs(est.peak / measured - 1) < 0.01, (est.peak, measured, est.workspace)
+    big = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
+    assert W._probe_too_costly(torch.ops.aten.mm.default, (big, big)).startswith("not measured")

@@ -460,14 +460,17 @@ class Estimate:
                                    if self.keep_outputs else "the model's outputs dropped once the loss is computed "
                                    "(loss = model(...).loss, as Trainer does)"))
         for op, row in self.workspace.items():
-            if row["kind"] not in ("fit", "bound"):  # no term: the probe could not run (its reason)
+            unmeasured = (f"; {row['not_measured']} more call(s) {row['why_not']}" if row.get("not_measured") and
+                          row["kind"] in ("fit", "bound", "measured") else "")
+            if row["kind"] not in ("fit", "bound", "measured"):  # no term: the probe could not run (its reason)
                 lines.append(f"  kernel workspace {op}: {row['kind']}, no term added")
                 continue
             lines.append(f"  kernel workspace {op}: {format_bytes(row['bytes'])} transient"
                          + (f", {format_bytes(row['kept'])} kept for backward" if row.get("kept") else "")
                          + f" ({row['calls']} calls; measured on the device, "
-                         + ("fitted, checked on a held-out size)" if row["kind"] == "fit" else
-                            "no fit held on the held-out size: an upper bound)"))
+                         + {"fit": "fitted, checked on a held-out size)",
+                            "measured": "at each call's own shape)"}.get(
+                             row["kind"], "no fit held on the held-out size: an upper bound)") + unmeasured)
         lines.append("  phase peaks: " + ", ".join(f"{p} {format_bytes(v)}" for p, v in self.phases.items()))
         if self.top_modules:
             lines.append("  largest forward activations: " + ", ".join(
