@@ -65,7 +65,10 @@ def _child(first: Callable[[], Any], write_fd: int) -> None:
     _IN_CHILD = True
     status = 1
     try:
-        torch.set_num_threads(1)  # the parent uses the other core
+        # The parent uses the other core. Kernel workspaces are still measured at the step's thread count: oneDNN's
+        # scratchpads are per thread (a bf16 matmul's differed between the child and a trace in the parent).
+        workspace.training_threads(torch.get_num_threads())
+        torch.set_num_threads(1)
         try:
             payload = pickle.dumps(("ok", first(), _counters()))
         except BaseException as exc:  # noqa: BLE001 - reported to the parent, which runs the trace itself

@@ -33,6 +33,7 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
@@ -49,7 +50,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["Workspace", "cache_dir", "check_option", "enabled", "installed_digest", "modelled_ops", "probe_device", "switch", "probe_count", "FIT_SIZES", "HELD_OUT", "STEP_SIZES"]
+__all__ = ["Workspace", "training_threads", "cache_dir", "check_option", "enabled", "installed_digest", "modelled_ops", "probe_device", "switch", "probe_count", "FIT_SIZES", "HELD_OUT", "STEP_SIZES"]
 
 aten = torch.ops.aten
 # oneDNN picks other algorithms for a batch of one (a 64-channel 3x3 convolution: 576 KiB of scratch at batch 1,
@@ -315,10 +316,38 @@ def modelled_ops(device: torch.device) -> frozenset:
     return frozenset(_OPS) if torch.device(device).type == "cpu" else frozenset(_DEVICE_NEUTRAL)
 
 
+_threads = {"training": None}
+
+
+def training_threads(count: int | None = None) -> int:
+    """The thread count the real step runs with, which probes measure at (set by a trace's forked child, which
+    itself runs on one thread); the current count when none was set.
+
+    Example:
+        >>> training_threads() == torch.get_num_threads()
+        True
+    """
+    if count is not None:
+        _threads["training"] = int(count)
+    return _threads["training"] or torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def _at_training_threads():
+    now, want = torch.get_num_threads(), training_threads()
+    if now != want:
+        torch.set_num_threads(want)
+    try:
+        yield
+    finally:
+        if now != want:
+            torch.set_num_threads(now)
+
+
 def _flags(device: torch.device) -> dict[str, Any]:
     if device.type == "cpu":
         # oneDNN sizes some scratchpads per thread: the thread count is part of the key.
-        return {"mkldnn": bool(torch.backends.mkldnn.enabled), "threads": torch.get_num_threads()}
+        return {"mkldnn": bool(torch.backends.mkldnn.enabled), "threads": training_threads()}
     if device.type == "cuda":
         return {"cudnn": bool(torch.backends.cudnn.enabled), "benchmark": bool(torch.backends.cudnn.benchmark)}
     return {}
@@ -477,7 +506,7 @@ class Workspace:
                    for k, v in (kwargs or {}).items()}
         # Grad mode on, as in a training forward: mkldnn's RNN layer returns its workspace only then (else it frees it
         # inside the call). No probe tensor requires grad, so no graph is recorded.
-        with torch.enable_grad():
+        with torch.enable_grad(), _at_training_threads():
             if prepare is not None:
                 real = prepare(real)
             peak, out = _measure(lambda: func(*real, **real_kw), self.device)
