@@ -31,7 +31,7 @@ from memwrap.plugin.optimizer_args import check_hyperparameters, typed_optim_arg
 __all__ = [
     "OptimizerSpec", "OptimizerRow", "OptimizerUnavailableError", "OptimizerConflictError",
     "UnknownOptimizerError", "ConversionWarning", "get_optimizer_spec", "create_optimizer",
-    "optimizers", "convert_optimizer", "conversion_hyperparameters", "spec_plugin",
+    "optimizers", "convert_optimizer", "conversion_hyperparameters", "spec_plugin", "optimizer_on",
 ]
 
 # Where an optimizer's state can live (OptimizerSpec.state_location), for the planner's memory categories.
@@ -555,3 +555,17 @@ def optimizers() -> list[OptimizerRow]:
             ok, hint, per_param = False, str(exc), math.nan
         rows.append(OptimizerRow(spec.name, spec.aliases, ok, per_param, "" if ok else hint, origin, spec.fused, spec.paged))
     return sorted(rows, key=lambda r: r.name)
+
+
+def optimizer_on(name: str, module: Any):
+    """The registry's optimizer ``name`` over ``module``, with a learning rate where its factory needs one (optimi's
+    StableAdamW): any, a step's memory and time are the same (the probes of the step's temporaries and its time).
+
+    Example:
+        >>> type(optimizer_on("adamw", torch.nn.Linear(2, 2))).__name__
+        'AdamW'
+    """
+    try:
+        return create_optimizer(name, module.parameters(), model=module)
+    except TypeError:
+        return create_optimizer(name, module.parameters(), model=module, lr=1e-3)

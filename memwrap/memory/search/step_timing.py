@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memwrap.plugin.registry import create_optimizer, get_optimizer_spec
+from memwrap.plugin.registry import get_optimizer_spec, optimizer_on
 
 __all__ = ["PROBES", "optimizer_seconds", "per_tensor_and_element"]
 
@@ -62,17 +62,14 @@ class _Probe(nn.Module):
 
 def _build(optim: Any, module: nn.Module):
     """The optimizer a candidate names, over ``module``: your own as built (``AsBuilt``: its class and the first
-    group's hyperparameters), else the registry's, with a learning rate where a factory needs one."""
+    group's hyperparameters), else the registry's."""
     if callable(getattr(optim, "build", None)) and getattr(optim, "groups", None):
         hyper = dict(optim.groups[0][1])
         try:
             return optim.cls([{"params": list(module.parameters()), **hyper}], **optim.defaults)
-        except TypeError:
+        except TypeError:  # as AsBuilt.build: a class whose defaults hold keys its constructor does not take
             return optim.cls([{"params": list(module.parameters()), **hyper}])
-    try:
-        return create_optimizer(str(optim), module.parameters(), model=module)
-    except TypeError:  # a factory that needs a learning rate (optimi's): any, the step's time is the same
-        return create_optimizer(str(optim), module.parameters(), model=module, lr=1e-3)
+    return optimizer_on(str(optim), module)
 
 
 def _time_probe(options: Mapping[str, Any], count: int, numel: int) -> tuple[float, float]:

@@ -42,7 +42,7 @@ from memwrap.memory.tracing.unread_inputs import adapt_batch
 from memwrap.memory.tracing.workspace import (Workspace, check_option as check_workspace_option,
                                               enabled as workspace_enabled)
 from memwrap.config.options import parse_options
-from memwrap.plugin.registry import create_optimizer, get_optimizer_spec
+from memwrap.plugin.registry import create_optimizer, get_optimizer_spec, optimizer_on
 from memwrap.plugin.state_size import predict_state_bytes
 from memwrap.precision.base import get_precision
 
@@ -330,16 +330,10 @@ def _step_temporary(trace: Trace, name: str, model: nn.Module, workspace: bool |
         role = "embedding" if id(p) in embeddings else "plain"
         largest[role] = max(largest.get(role, 0), p.numel())
 
-    def build(m: nn.Module):
-        try:
-            return create_optimizer(name, m.parameters(), model=m)
-        except TypeError:  # a factory that needs a learning rate (optimi's StableAdamW): any, the step's size is the same
-            return create_optimizer(name, m.parameters(), model=m, lr=1e-3)
-
     step, rows = 0, {}
     for role, numel in sorted(largest.items()):
         try:
-            got = Workspace(torch.device("cpu")).step_temporary(name, build, numel,
+            got = Workspace(torch.device("cpu")).step_temporary(name, lambda m: optimizer_on(name, m), numel,
                                                                 trace.param_dtype or params[0].dtype, role)
         except Exception as exc:  # noqa: BLE001 the optimizer cannot step a lone CPU tensor: no term, the report says so
             rows[f"optimizer step ({name})"] = {"bytes": 0, "calls": 0, "kept": 0,

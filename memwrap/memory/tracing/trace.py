@@ -141,9 +141,9 @@ class SegmentMixin:
         self.flop_classes: dict[str, int] = {}  # the same FLOPs by matmul dtype and size (flop_classes.py)
         self._flop_registry = flop_formulas()  # torch's formulas and the CPU flash attention kernel's
         self.op_stats = OpStats()  # views and bytes moved by the ops without FLOPs (forward + backward)
-        # Whether the op being dispatched runs a kernel in a real step, and whether MemTracker tracked it (it skips
-        # DTensor's sharding propagation): only those are counted as ops.
-        self._counted_op, self._tracked = True, False
+        # Whether the op being dispatched runs a kernel in a real step, and the phase MemTracker tracked it in (None:
+        # not tracked, e.g. DTensor's sharding propagation): only those are counted as ops.
+        self._counted_op, self._tracked = True, None
         # The engine's in-place gradient accumulation, which the dispatch mode itself turns off (observer effect).
         self.accumulation = InPlaceAccumulation()
         # Kernel workspaces the dispatcher never sees, measured on the device (run_trace sets it; None: not modelled).
@@ -164,7 +164,7 @@ class SegmentMixin:
         # prim.device / prim.layout: metadata queries that reach a dispatch mode only because the tensors are fake (a
         # real tensor answers them in C++). Counted, they were 912 of 1314 "ops" per micro-batch of a small GPT-2
         # (402 in the eager step) and tripled the cost model's launches term.
-        self._counted_op, self._tracked = func.namespace != "prim", False
+        self._counted_op, self._tracked = func.namespace != "prim", None
         res = super().__torch_dispatch__(call, types, args, kwargs)
         self.accumulation.made(res)
         # torch's own FLOP formulas (FlopCounterMode's registry, plus the CPU flash attention kernel's); FlopCounterMode
@@ -175,7 +175,7 @@ class SegmentMixin:
             self.flops += n
             cls = flop_class(func, args, res)
             self.flop_classes[cls] = self.flop_classes.get(cls, 0) + n
-        elif self._tracked and self._counted_op and self._flop_registry and self.key()[1] != "optimizer":
+        elif self._tracked not in (None, "optimizer") and self._counted_op and self._flop_registry:
             self.op_stats.add(func, args, kwargs, res)
         return res
 
@@ -195,7 +195,7 @@ class SegmentMixin:
         # Replaces MemTracker's version, which walks every module on every op to keep per-module
         # peaks that the planner does not use; segment maxima are kept instead.
         key = self.key()
-        self._tracked = True
+        self._tracked = key[1]
         if self._counted_op:
             self.ops[key[1]] += 1
         total, dev, host = self.current()

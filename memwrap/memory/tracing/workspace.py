@@ -262,7 +262,7 @@ _MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, ate
 # The probes of an attention call cost 4 * batch * heads * queries * keys * head size FLOPs each: above this (at the
 # held-out batch), the call is not probed but reported as not measured. Its scratch is per-thread blocks of scores
 # (about a MiB per thread at 2048 tokens), small beside the activations of a model that large.
-_SDPA_PROBE_FLOPS = 2e9
+_PROBE_FLOPS = 2e9
 
 
 def _probe_too_costly(func, args: tuple) -> str:
@@ -270,7 +270,7 @@ def _probe_too_costly(func, args: tuple) -> str:
     if func in _MATMULS:
         a, b = (args[1], args[2]) if func in (aten.addmm.default, aten.baddbmm.default) else (args[0], args[1])
         flops = 2 * a.numel() * b.shape[-1]
-        if flops <= _SDPA_PROBE_FLOPS or _matmul_dims(args) is None:
+        if flops <= _PROBE_FLOPS or _matmul_dims(args) is None:
             return ""
         return (f"not measured: its probe would run {flops / 1e9:.0f} GFLOP of real matmul; oneDNN's 16-bit "
                 "scratchpad (about 100 KiB at small sizes) is left out")
@@ -278,7 +278,7 @@ def _probe_too_costly(func, args: tuple) -> str:
         return ""
     q, k = args[0], args[1] if func is aten._scaled_dot_product_flash_attention_for_cpu.default else args[2]
     flops = 4 * HELD_OUT * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3]
-    if flops <= _SDPA_PROBE_FLOPS:
+    if flops <= _PROBE_FLOPS:
         return ""
     return (f"not measured: its probes would run {flops / 1e9:.0f} GFLOP of real attention; the kernel's per-thread "
             "score blocks (about a MiB per thread) are left out")
@@ -287,16 +287,14 @@ def _probe_too_costly(func, args: tuple) -> str:
 # Ops whose keyword arguments (SDPA's scale and mask) are part of the call the probes repeat.
 _KWARGS_OK = frozenset({aten._scaled_dot_product_flash_attention_for_cpu.default,
                         aten._scaled_dot_product_flash_attention_for_cpu_backward.default})
-_CPU_KERNEL = {
-    aten.mkldnn_rnn_layer.default: "oneDNN's RNN layer; there the layer runs cuDNN's RNN for an LSTM or GRU, whose "
-                                   "workspace and reserve kept for backward",
-    aten._scaled_dot_product_flash_attention_for_cpu.default: "the CPU flash-attention kernel; there SDPA runs "
-                                                              "FlashAttention or memory-efficient kernels, whose "
-                                                              "scratch",
-}
-_CPU_KERNEL[aten.mkldnn_rnn_layer_backward.default] = _CPU_KERNEL[aten.mkldnn_rnn_layer.default]
-_CPU_KERNEL[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = \
-    _CPU_KERNEL[aten._scaled_dot_product_flash_attention_for_cpu.default]
+# CPU-only kernels (forward and backward) -> what runs on another device instead, for the "not modelled" row.
+_RNN_ELSEWHERE = ("oneDNN's RNN layer; there the layer runs cuDNN's RNN for an LSTM or GRU, whose workspace and "
+                  "reserve kept for backward")
+_SDPA_ELSEWHERE = ("the CPU flash-attention kernel; there SDPA runs FlashAttention or memory-efficient kernels, whose "
+                   "scratch")
+_CPU_KERNEL = {aten.mkldnn_rnn_layer.default: _RNN_ELSEWHERE, aten.mkldnn_rnn_layer_backward.default: _RNN_ELSEWHERE,
+               aten._scaled_dot_product_flash_attention_for_cpu.default: _SDPA_ELSEWHERE,
+               aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _SDPA_ELSEWHERE}
 
 
 # What a CUDA model's probes can measure: the fake trace runs on the CPU, so it records the device-neutral convolution
