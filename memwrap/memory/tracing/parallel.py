@@ -6,7 +6,9 @@ the second, and the estimate costs the longer of the two instead of their sum. F
 then has the model, the batch and the options as they are here, with nothing pickled but the result.
 
 The child is a helper, never a dependency: it runs with one torch thread, sends back its result (pickled) or
-its error, and exits without running this process's exit handlers. When it fails, sends nothing in time, or cannot
+its error, and exits without running this process's exit handlers. It never changes its thread count again (OpenMP's
+thread pool does not survive fork: a parallel region at more threads hangs the child), so a kernel-workspace probe,
+which measures at the step's thread count, is refused there and reported as its error. When it fails, sends nothing in time, or cannot
 be started (no ``os.fork``, not Linux, one core, CUDA already initialised here, ``MEMWRAP_TRACE_WORKERS=0``, or this
 process is itself such a child), the first trace runs here after the second, as it did before: the results are the
 same either way, and so are the errors, which are raised here.
@@ -69,8 +71,13 @@ def _child(first: Callable[[], Any], write_fd: int) -> None:
         # scratchpads are per thread (a bf16 matmul's differed between the child and a trace in the parent).
         workspace.training_threads(torch.get_num_threads())
         torch.set_num_threads(1)
+        # ... and never switches back: a probe that needs the step's threads is refused, and the parent traces.
+        workspace.pin_threads()
         try:
-            payload = pickle.dumps(("ok", first(), _counters()))
+            result = first()
+            if workspace.probes_refused():  # even if the traced code swallowed the refusal, the trace lacks it
+                raise workspace.ThreadsPinned("a kernel workspace probe needs the step's thread count")
+            payload = pickle.dumps(("ok", result, _counters()))
         except BaseException as exc:  # noqa: BLE001 - reported to the parent, which runs the trace itself
             payload = pickle.dumps(("error", f"{type(exc).__name__}: {exc}", {}))
         view = memoryview(payload)

@@ -50,7 +50,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["Workspace", "training_threads", "cache_dir", "check_option", "enabled", "installed_digest", "modelled_ops", "probe_device", "switch", "probe_count", "FIT_SIZES", "HELD_OUT", "STEP_SIZES"]
+__all__ = ["Workspace", "ThreadsPinned", "pin_threads", "probes_refused", "training_threads", "cache_dir", "check_option", "enabled", "installed_digest", "modelled_ops", "probe_device", "switch", "probe_count", "FIT_SIZES", "HELD_OUT", "STEP_SIZES"]
 
 aten = torch.ops.aten
 # oneDNN picks other algorithms for a batch of one (a 64-channel 3x3 convolution: 576 KiB of scratch at batch 1,
@@ -314,7 +314,7 @@ def modelled_ops(device: torch.device) -> frozenset:
     return frozenset(_OPS) if torch.device(device).type == "cpu" else frozenset(_DEVICE_NEUTRAL)
 
 
-_threads = {"training": None}
+_threads = {"training": None, "pinned": False, "refused": 0}
 
 
 def training_threads(count: int | None = None) -> int:
@@ -330,9 +330,42 @@ def training_threads(count: int | None = None) -> int:
     return _threads["training"] or torch.get_num_threads()
 
 
+class ThreadsPinned(Exception):
+    """A probe needs another thread count than this process may use: it is a forked trace child (see
+    :func:`pin_threads`). The child's trace is then given up and the parent runs it (memwrap.memory.tracing.parallel)."""
+
+
+def pin_threads() -> None:
+    """Forbid this process to change its thread count, and so to probe at the step's: called in a trace's forked
+    child. OpenMP's thread pool does not survive fork: a parallel region at more threads than the child started
+    with hangs it (a bf16 matmul probe at 2 threads never returned, and the parent waited 30 s for each such
+    trace before running it itself: a 12-trace plan of a 2-layer GPT took 97 s instead of 8).
+
+    Example:
+        >>> probes_refused()
+        0
+    """
+    _threads["pinned"] = True
+
+
+def probes_refused() -> int:
+    """How many probes this process refused because its thread count is pinned (:func:`pin_threads`): a trace that
+    refused one is incomplete, whatever the code around the probe did with the :class:`ThreadsPinned` it raised.
+
+    Example:
+        >>> probes_refused() >= 0
+        True
+    """
+    return _threads["refused"]
+
+
 @contextlib.contextmanager
 def _at_training_threads():
     now, want = torch.get_num_threads(), training_threads()
+    if now != want and _threads["pinned"]:
+        _threads["refused"] += 1
+        raise ThreadsPinned(f"kernel workspace probes run at the training step's {want} threads; this forked trace "
+                            f"process runs on {now} and cannot switch (OpenMP does not survive fork)")
     if now != want:
         torch.set_num_threads(want)
     try:
