@@ -40,6 +40,7 @@ from memwrap.memory.search.space import (DEFAULT_CHECKPOINTS, DEFAULT_PRECISIONS
                                          default_checkpoints, default_optimizers, plan_values)
 
 from memwrap.plugin.registry import _registry, get_optimizer_spec
+from memwrap.plugin.state_size import predict_state_bytes
 from memwrap.precision.base import get_precision_class
 from memwrap.memory.search.report import plan_table
 from memwrap.memory.search.techniques import (default_precisions, expand_techniques, family, prune_by_weights, state_floor,
@@ -496,6 +497,7 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
                repr(s["chunked_loss"]), s["compensation"])
         groups.setdefault(key, []).append(s)
     traces: dict[tuple, Any] = cache["traces"]
+    state_sizes: dict[str, float] = cache.setdefault("state_sizes", {})
     adjusted: dict[int, tuple[str, ...]] = {}  # micro-batch -> the fake copy's adjustments (decided once each)
     skipped: list[tuple[str, str]] = list(refused)
     groups, pruned = prune_by_weights(groups, module, budget_bytes, margin_, ranks)  # memwrap.memory.search.techniques
@@ -544,14 +546,20 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
         if adjusted[mb]:
             options["fake_adjust"] = adjusted[mb]
         # The user's optimizer (a built-in, usually) is traced first: a plugin's failure then only skips its own rows.
+        # Then the one with the least state: the others are bounded from its trace (one whose bound exceeds the budget
+        # is not traced), and the least state is the likeliest to fit, so its trace is a candidate's, not only a bound.
         fake_runnable = sorted((m["optim"] for m in members if get_optimizer_spec(m["optim"]).runs_on_fake),
-                               key=lambda o: o != keep)
+                               key=lambda o: (o != keep, _state_size(state_sizes, o, module)))
         reference = fake_runnable[0] if fake_runnable else None
         batch_fn = (lambda mb_=mb: make_batch(mb_))
         if progress is not None:
             progress(done, total, _tracing_label(mb, key[1], first, [m["optim"] for m in members], ranks, strategy_))
         try:
             base = traces.get((key, reference))
+            if base is None:
+                # The same group traced for another optimizer (the first stage's adamw, say): its forward and backward
+                # are this group's, so each member is derived or bounded from it and traced only if it may fit.
+                base = _same_group(traces, key)
             if base is None:
                 try:
                     base = trace_config(module, batch_fn, loss_fn, options, reference, world_size=ranks,
@@ -576,7 +584,7 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
                          str(exc)) for m in members]
             done += 1
             continue
-        traces[(key, reference)] = base
+        traces.setdefault((key, base.optimizer), base)  # a reused base is stored under its own optimizer already
         for m in members:
             try:
                 tr = derive(base, m["optim"], module)
@@ -615,6 +623,23 @@ def plan(model: nn.Module | Callable[[], nn.Module], make_batch: Callable[[int],
                 global_batch, margin_, time.perf_counter() - start, skipped, keep,
                 _keep_note(keep, specs, results, floors), keep_precision, device=profile,
                 dominators=list(used.values()))
+
+
+def _state_size(sizes: dict[str, float], optim: str, module: nn.Module) -> float:
+    """``optim``'s state bytes for ``module`` (its plugin's prediction, memoized in ``sizes``), infinite when the plugin
+    cannot predict it: an order for choosing which optimizer of a group to trace first, nothing more."""
+    if optim not in sizes:
+        try:
+            sizes[optim] = predict_state_bytes(optim, module)
+        except Exception:  # noqa: BLE001 - a plugin that cannot predict is traced last, and reports its own error there
+            sizes[optim] = float("inf")
+    return sizes[optim]
+
+
+def _same_group(traces: dict[tuple, Any], key: tuple) -> Any:
+    """A trace of the group ``key`` made for any optimizer, or None: what a later search stage derives its members
+    from (exactly, or as the lower bound that skips tracing one that cannot fit) before tracing any."""
+    return next((tr for (k, _), tr in traces.items() if k == key), None)
 
 
 def _wrap_options(spec: dict, options: dict) -> dict:

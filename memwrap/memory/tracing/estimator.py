@@ -280,7 +280,8 @@ def derive(trace: Trace, optimizer: str, model: nn.Module, *, force: bool = Fals
     """The trace for ``optimizer`` from one traced with another optimizer (or the stand-in).
 
     Optimizer state is alive through the whole step, so a different optimizer shifts every
-    segment by the difference in state bytes (plugin ``state_bytes``, exact). The optimizer-step
+    segment by the difference in state bytes (plugin ``state_bytes``, exact), keeping what the configuration adds to
+    every optimizer's state (bf16-true's Kahan buffer; :func:`_group_state`). The optimizer-step
     segment of an optimizer that cannot run on fake tensors is the step's entry snapshot plus its
     state, plus (unless ``workspace`` is False, or None with ``MEMWRAP_WORKSPACE=0``) the step's temporaries for
     the largest trainable parameter, measured with real steps on the device
@@ -296,8 +297,8 @@ def derive(trace: Trace, optimizer: str, model: nn.Module, *, force: bool = Fals
     if spec.runs_on_fake and not force:
         return None
     # An FSDP2 rank's optimizer holds its shards only (the traced state is the rank's too).
-    new_state = predict_state_bytes(optimizer, model, world_size=trace.world_size if trace.strategy == "fsdp2" else 1,
-                                    dtype=trace.param_dtype)
+    held = {"world_size": trace.world_size if trace.strategy == "fsdp2" else 1, "dtype": trace.param_dtype}
+    new_state = predict_state_bytes(optimizer, model, **held) + _group_state(trace, model, held)
     delta = new_state - trace.state["optimizer_state"]
     segments = {}
     for key, seg in trace.segments.items():
@@ -313,6 +314,23 @@ def derive(trace: Trace, optimizer: str, model: nn.Module, *, force: bool = Fals
     state = {**trace.state, "optimizer_state": new_state}
     return dataclasses.replace(trace, segments=segments, state=state, optimizer=spec.name,
                                workspace={**trace.workspace, **used})
+
+
+def _group_state(trace: Trace, model: nn.Module, held: dict[str, Any]) -> int:
+    """State bytes the traced step held beyond its optimizer plugin's own (``state_bytes``): what the configuration,
+    not the optimizer, adds, and every optimizer of the group therefore holds too. bf16-true's Kahan summation is
+    one: wrap() converts AdamW or SGD to torch-optimi's equivalent, which keeps a bf16 compensation buffer per
+    parameter (without this, an SGD derived from a compensated AdamW's trace lost 2 bytes per parameter). 0 for the
+    stateless stand-in, which is never converted, for an optimizer whose plugin cannot predict its state, and for
+    your optimizer as built (memwrap.memory.search.space.AsBuilt, a name with ``groups``): its hyperparameters make
+    state its registry name's plugin does not count (SGD's momentum), which is its own, not the group's."""
+    if trace.optimizer is None or hasattr(trace.optimizer, "groups"):
+        return 0
+    try:
+        own = predict_state_bytes(trace.optimizer, model, **held)
+    except Exception:  # noqa: BLE001 - no prediction for the traced optimizer: nothing known beyond its plugin's
+        return 0
+    return max(0, trace.state["optimizer_state"] - own)
 
 
 def _step_temporary(trace: Trace, name: str, model: nn.Module, workspace: bool | None) -> tuple[int, dict]:
