@@ -25,18 +25,27 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def both_plans(request):
-    build, batch = CASES[request.param]
+def _both_plans(name):
+    build, batch = CASES[name]
     kw = dict(budget="2GiB", global_batch=4, margin=(0.08, "16MiB"), keep_precision=None,
               precisions=None, chunked_loss=(False,))
     model = build()
     full = memwrap.plan(model, batch, exhaustive=True, **kw)
     pruned = memwrap.plan(model, batch, **kw)
-    return request.param, full, pruned
+    return name, full, pruned
 
 
-def test_checkpointing_never_outruns_its_twin_without_it(both_plans):
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_pruning_by_dominance(name):
+    """The three checks below on one pair of plans per model: one test, so that pytest-xdist's workers do not each
+    plan the same model again (a module fixture is set up once per worker: 700 s of a 23-minute suite)."""
+    both_plans = _both_plans(name)
+    _checkpointing_never_outruns_its_twin_without_it(both_plans)
+    _the_pruned_search_finds_the_same_best_with_fewer_traces(both_plans)
+    _with_budget_refuses_a_budget_that_would_need_what_was_left_out(both_plans)
+
+
+def _checkpointing_never_outruns_its_twin_without_it(both_plans):
     """The claim the pruning rests on, on every pair the exhaustive search traced."""
     name, full, _ = both_plans
     plain = {_twin_key(c): c for c in full.candidates if c.checkpoint is None}
@@ -50,7 +59,7 @@ def test_checkpointing_never_outruns_its_twin_without_it(both_plans):
             ckpt.estimate.ops_per_micro_batch >= twin.estimate.ops_per_micro_batch, (name, ckpt.label)
 
 
-def test_the_pruned_search_finds_the_same_best_with_fewer_traces(both_plans):
+def _the_pruned_search_finds_the_same_best_with_fewer_traces(both_plans):
     name, full, pruned = both_plans
     assert full.best is not None and pruned.best is not None
     assert pruned.best.label == full.best.label and pruned.best.estimate.peak == full.best.estimate.peak
@@ -65,7 +74,7 @@ def test_the_pruned_search_finds_the_same_best_with_fewer_traces(both_plans):
                if c.label not in {p.label for p in pruned.candidates} and c.fits)
 
 
-def test_with_budget_refuses_a_budget_that_would_need_what_was_left_out(both_plans):
+def _with_budget_refuses_a_budget_that_would_need_what_was_left_out(both_plans):
     _, full, pruned = both_plans
     assert pruned.with_budget("4GiB").best.label == pruned.best.label  # a bigger budget: nothing changes
     tight = min(d.estimate.peak for d in pruned.dominators) - 1
