@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,17 +26,12 @@ needs_cpu_fsdp2 = pytest.mark.skipif(not hasattr(torch.cpu.Stream, "record_event
                                             "(torch.cpu.Stream.record_event is missing); upgrade torch")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(script: str | Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     """Run ``script`` on 2 CPU processes; raise with both ranks' output if it fails."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env_path()]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(script), *args]
+    # --standalone: torchrun's own rendezvous binds a port the OS picks and keeps it. A port found free here and
+    # bound later by torchrun could be taken in between by another test process (-n 2): the fixture failed once so.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
