@@ -6,12 +6,13 @@ the second, and the estimate costs the longer of the two instead of their sum. F
 then has the model, the batch and the options as they are here, with nothing pickled but the result.
 
 The child is a helper, never a dependency: it runs with one torch thread, sends back its result (pickled) or
-its error, and exits without running this process's exit handlers. It never changes its thread count again (OpenMP's
-thread pool does not survive fork: a parallel region at more threads hangs the child), so a kernel-workspace probe,
-which measures at the step's thread count, is refused there and reported as its error. When it fails, sends nothing in time, or cannot
-be started (no ``os.fork``, not Linux, one core, CUDA already initialised here, ``MEMWRAP_TRACE_WORKERS=0``, or this
-process is itself such a child), the first trace runs here after the second, as it did before: the results are the
-same either way, and so are the errors, which are raised here.
+its error, and exits without running this process's exit handlers. It never changes its thread count again
+(OpenMP's thread pool does not survive fork: a parallel region at more threads hangs the child), so a
+kernel-workspace probe, which measures at the step's thread count, is refused there and reported as its error.
+When it fails, sends nothing in time, or cannot be started (no ``os.fork``, not Linux, one core, CUDA already
+initialised here, ``MEMWRAP_TRACE_WORKERS=0``, or this process is itself such a child), the first trace runs here
+after the second, as it did before: the results are the same either way, and so are the errors, which are raised
+here.
 
 Example:
     >>> both(lambda: 1 + 1, lambda: 2 + 2)

@@ -375,7 +375,8 @@ def run_trace(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Callable
     fmodel = fake_model(model, mode, dev, stack, depth)
     fmodel.train()
     adjust_fake_model(fmodel, options.get("fake_adjust", ()))
-    with mode, warnings.catch_warnings(), _offload_to_host(), _fake_rng_states(steps_on_cpu(model, options.get("workspace"))):
+    rng_states = _fake_rng_states(steps_on_cpu(model, options.get("workspace")))
+    with mode, warnings.catch_warnings(), _offload_to_host(), rng_states:
         warnings.simplefilter("ignore")
         precision = _precision(options)
         # The precision's storage dtype (bf16-true: bf16 weights, hence bf16 gradients and state) is applied before
