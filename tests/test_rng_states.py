@@ -1,5 +1,5 @@
 """The RNG states activation checkpointing keeps for each region's recompute are counted where the step runs on the
-CPU (memwrap/memory/tracing/trace.py, ``_fake_rng_states``): ``torch.get_rng_state()`` makes a 5056-byte tensor
+CPU (memwrap/memory/tracing/rng_states.py): ``torch.get_rng_state()`` makes a 5056-byte tensor
 outside the dispatcher, which the fake trace never saw (the residue of every checkpointed CPU zoo cell)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 import memwrap
 from memwrap.memory import measure_peak
-from memwrap.memory.tracing import trace as trace_mod
+from memwrap.memory.tracing import rng_states
 from memwrap.models import build_preset, lm_loss, preset_batch
 
 
@@ -44,8 +44,8 @@ def test_a_checkpointed_cpu_step_is_estimated_to_the_byte_with_its_rng_states(op
     est = memwrap.estimate(_llama, _llama_batch(), **options)
     real = measure_peak(_llama, _llama_batch(), **options)["peak"]
     assert abs(est.peak - real) <= 64, (est.peak, real)
-    assert torch.get_rng_state is trace_mod._REAL_RNG[0] and torch.set_rng_state is trace_mod._REAL_RNG[1]
-    monkeypatch.setattr(trace_mod, "steps_on_cpu", lambda model, option: False)  # as for a GPU: host memory
+    assert torch.get_rng_state is rng_states.REAL[0] and torch.set_rng_state is rng_states.REAL[1]
+    monkeypatch.setattr(rng_states, "steps_on_cpu", lambda home, option: False)  # as for a GPU: host memory
     without = memwrap.estimate(_llama, _llama_batch(), **options)
     assert est.peak - without.peak == state.numel()
 
@@ -54,8 +54,7 @@ def test_no_rng_state_is_counted_without_checkpointing_or_on_another_device():
     est = memwrap.estimate(_model, _batch, loss_fn=lm_loss)
     real = measure_peak(_model, _batch, lm_loss)["peak"]
     assert abs(est.peak - real) <= 64
-    model = _model()
-    assert trace_mod.steps_on_cpu(model, None) and trace_mod.steps_on_cpu(model, "cpu")
-    assert not trace_mod.steps_on_cpu(model, "cuda")  # planned for a GPU: the states are host memory there
-    with torch.device("meta"):
-        assert trace_mod.steps_on_cpu(build_preset("gpt2-tiny"), None)  # traced and probed on this machine
+    assert rng_states.steps_on_cpu("cpu", None) and rng_states.steps_on_cpu("cpu", "cpu")
+    assert not rng_states.steps_on_cpu("cpu", "cuda")  # planned for a GPU: the states are host memory there
+    assert not rng_states.steps_on_cpu("cuda", None)
+    assert rng_states.steps_on_cpu("meta", None)  # a meta-built model: traced and probed on this machine

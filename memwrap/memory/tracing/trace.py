@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from memwrap.memory.tracing import rng_states
 from memwrap.memory.tracing.batch import default_loss, split_batch
 from memwrap.memory.tracing.stack import Stack, find_stack, truncated
 from memwrap.precision.base import get_precision
@@ -293,46 +293,6 @@ def _offload_to_host():
         torch.autograd.graph.save_on_cpu = original
 
 
-@contextlib.contextmanager
-def _fake_rng_states(on: bool):
-    """``torch.get_rng_state()`` returns a fake tensor of the real state's size while tracing (``on``): the state that
-    checkpointing saves for each region's recompute (``preserve_rng_state``) is then a tensor the tracker sees, alive
-    as long as the real one (until the region's backward), and ``fork_rng``'s transient copy during recompute too.
-    The real call makes a 5056-byte tensor outside the dispatcher, which the trace never saw: the residue of every
-    checkpointed cell of the CPU zoo (-0.1 to -0.24% of 3-12 MB steps). ``set_rng_state`` ignores a fake state. On a
-    GPU these are host tensors: ``on`` only when the step runs on the CPU (:func:`steps_on_cpu`)."""
-    if not on:
-        yield
-        return
-    real_get, real_set = torch.get_rng_state, torch.set_rng_state
-    size = real_get().numel()
-
-    def get() -> torch.Tensor:
-        return torch.empty(size, dtype=torch.uint8)  # under the trace's fake mode: a tracked fake tensor
-
-    def set_(state: torch.Tensor) -> None:
-        if not isinstance(state, FakeTensor):
-            real_set(state)
-
-    torch.get_rng_state, torch.set_rng_state = get, set_
-    try:
-        yield
-    finally:
-        torch.get_rng_state, torch.set_rng_state = real_get, real_set
-
-
-_REAL_RNG = (torch.get_rng_state, torch.set_rng_state)  # what _fake_rng_states restores (tests check it)
-
-
-def steps_on_cpu(model: nn.Module, workspace_option: Any) -> bool:
-    """Whether the traced step runs on the CPU, whose host tensors (checkpointing's RNG states) are then the device's
-    memory: a device named by ``estimate(workspace=...)``, else the model's own device (a meta-built model or a
-    factory is planned on the machine that traces it, as its kernel workspaces are)."""
-    if isinstance(workspace_option, str):
-        return torch.device(workspace_option).type == "cpu"
-    return _home(model) in ("cpu", "meta")
-
-
 def _top_modules(tracker: MemTracker, limit: int = 40) -> list[tuple[str, int]]:
     from torch.distributed._tools.mem_tracker import _ModState
 
@@ -375,8 +335,9 @@ def run_trace(model: nn.Module, make_batch: Callable[[], Any], loss_fn: Callable
     fmodel = fake_model(model, mode, dev, stack, depth)
     fmodel.train()
     adjust_fake_model(fmodel, options.get("fake_adjust", ()))
-    rng_states = _fake_rng_states(steps_on_cpu(model, options.get("workspace")))
-    with mode, warnings.catch_warnings(), _offload_to_host(), rng_states:
+    # checkpointing's RNG states: device memory where the step runs on the CPU (memwrap.memory.tracing.rng_states)
+    states = rng_states.fake_states(rng_states.steps_on_cpu(_home(model), options.get("workspace")))
+    with mode, warnings.catch_warnings(), _offload_to_host(), states:
         warnings.simplefilter("ignore")
         precision = _precision(options)
         # The precision's storage dtype (bf16-true: bf16 weights, hence bf16 gradients and state) is applied before
